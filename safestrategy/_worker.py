@@ -1,0 +1,142 @@
+"""The probe process: imports TensorFlow, reports facts, runs smoke all-reduces.
+
+Run as ``python -m safestrategy._worker '<json>'`` by :mod:`safestrategy.probe`,
+never imported by the library itself. A broken NCCL may hang or abort this
+process; the parent survives, kills it at the timeout and starts a new one.
+
+Protocol, one JSON object per line: the argument is ``{"devices": [...] or
+null}``; the worker first writes ``{"facts": {...}}``, then answers each
+``{"check": NAME}`` read from stdin with ``{"values": [[device, [floats]], ...]}``
+(every replica's all-reduced value) or ``{"error": [type, first line]}``.
+Anything TensorFlow prints goes to stderr, never into the protocol stream.
+"""
+
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ._devices import Device, parse_devices
+from ._tf import era, import_tf
+from .backends import build_cross_device_ops, build_strategy
+
+#: Replica i contributes a vector filled with i + 1; the expected sum is n(n+1)/2.
+VECTOR_SIZE = 4
+
+
+def _first_line(error: BaseException) -> Tuple[str, str]:
+    text = str(error).strip()
+    return type(error).__name__, text.splitlines()[0] if text else ""
+
+
+def _list_physical(tf: Any, kind: str) -> List[Any]:
+    config = tf.config
+    lister = getattr(config, "list_physical_devices", None) or config.experimental.list_physical_devices
+    return lister(kind)
+
+
+def _configure_tf2(tf: Any, cpus: int) -> int:
+    """Logical CPUs as the device names need, GPU memory growth; returns the GPU count."""
+    config = tf.config
+    gpus = _list_physical(tf, "GPU")
+    for gpu in gpus:  # take only what the tiny all-reduce needs, and give it back on exit
+        config.experimental.set_memory_growth(gpu, True)
+    if cpus > 1:
+        setter = getattr(config, "set_logical_device_configuration", None)
+        if setter is None:  # TF 2.0
+            setter = config.experimental.set_virtual_device_configuration
+            logical = config.experimental.VirtualDeviceConfiguration
+        else:
+            logical = config.LogicalDeviceConfiguration
+        setter(_list_physical(tf, "CPU")[0], [logical() for _ in range(cpus)])
+    return len(gpus)
+
+
+def _session_config(tf: Any, cpus: int) -> Any:
+    config = tf.ConfigProto(device_count={"CPU": max(cpus, 1)}, allow_soft_placement=False)
+    config.gpu_options.allow_growth = True
+    return config
+
+
+def _gpu_count_tf1(tf: Any, cpus: int) -> int:
+    from tensorflow.python.client import device_lib
+
+    devices = device_lib.list_local_devices(_session_config(tf, cpus))
+    return sum(1 for device in devices if device.device_type == "GPU")
+
+
+def _nccl_kernels() -> Optional[int]:
+    """How many NcclAllReduce kernels are registered: a count, never TF's truthy message."""
+    try:
+        from tensorflow.python.framework import kernels
+
+        return len(kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
+    except Exception:
+        return None
+
+
+def _tf2_all_reduce(tf: Any, strategy: Any) -> List[Tuple[str, List[float]]]:
+    def replica_fn() -> Any:
+        context = tf.distribute.get_replica_context()
+        replica = tf.cast(context.replica_id_in_sync_group, tf.float32)
+        return context.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.fill([VECTOR_SIZE], replica + 1.0)
+        )
+
+    run = getattr(strategy, "run", None) or strategy.experimental_run_v2
+    result = tf.function(lambda: run(replica_fn))()
+    return [(t.device, t.numpy().tolist()) for t in strategy.experimental_local_results(result)]
+
+
+class Checker:
+    """Holds TensorFlow and the devices; runs one smoke all-reduce per request."""
+
+    def __init__(self, devices: Optional[Sequence[Device]]) -> None:
+        self.tf = import_tf()
+        self.era = era(self.tf.__version__)
+        self.eager = self.tf.__version__.startswith("2.")
+        cpus = max([d.index + 1 for d in devices or () if d.kind == "CPU"] or [1])
+        self.session_config = None if self.eager else _session_config(self.tf, cpus)
+        if self.eager:
+            gpus = _configure_tf2(self.tf, cpus)
+        else:
+            gpus = _gpu_count_tf1(self.tf, cpus)
+        default = [f"/device:GPU:{i}" for i in range(gpus)] or ["/device:CPU:0"]
+        self.devices = [str(d) for d in devices] if devices else default
+        self.facts = {
+            "tf_version": self.tf.__version__,
+            "devices": self.devices,
+            "gpus": gpus,
+            "nccl_kernels": _nccl_kernels(),
+        }
+
+    def all_reduce(self, name: str) -> List[Tuple[str, List[float]]]:
+        ops = build_cross_device_ops(self.tf, self.era, name)
+        strategy = build_strategy(self.tf, self.era, self.devices, ops)
+        return _tf2_all_reduce(self.tf, strategy)
+
+
+def main(argv: Sequence[str]) -> int:
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints from TensorFlow go to stderr
+    sys.stdout = sys.stderr
+
+    def send(message: Dict[str, Any]) -> None:
+        protocol.write(json.dumps(message) + "\n")
+        protocol.flush()
+
+    request = json.loads(argv[0])
+    devices = parse_devices(request["devices"]) if request["devices"] is not None else None
+    checker = Checker(devices)
+    send({"facts": checker.facts})
+    for line in sys.stdin:
+        name = json.loads(line)["check"]
+        try:
+            send({"values": checker.all_reduce(name)})
+        except Exception as error:
+            send({"error": _first_line(error)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

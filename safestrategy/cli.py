@@ -1,0 +1,61 @@
+"""The command line: the probe report for this machine, as text or JSON.
+
+Exit status: 0 a working backend was found, 1 none was (or TensorFlow is
+missing), 2 bad arguments or bad ``SAFESTRATEGY_*`` values.
+"""
+
+import argparse
+import sys
+from typing import List, Optional
+
+from ._env import DEFAULT_TIMEOUT, ENV_BACKEND, ENV_TIMEOUT
+from .backends import BACKENDS
+from .factory import NoWorkingBackendError, _decide
+from .report import CandidateResult
+
+
+def _parser() -> argparse.ArgumentParser:
+    backends = "\n".join(f"  {b.name:<18} {b.summary}" for b in BACKENDS)
+    parser = argparse.ArgumentParser(
+        prog="safestrategy",
+        description="Find the cross-device all-reduce that works on this machine's devices: "
+        "each candidate is run for real and its sums checked.",
+        epilog=f"backends, in auto order:\n{backends}\n\n"
+        f"environment: {ENV_BACKEND} (same values as --backend), "
+        f"{ENV_TIMEOUT} (seconds, default {DEFAULT_TIMEOUT:g})",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    parser.add_argument(
+        "--backend", metavar="NAME", help="auto, one backend, or a comma-separated list"
+    )
+    parser.add_argument(
+        "--devices", nargs="+", metavar="D", help="devices to check (default: all GPUs, else CPU)"
+    )
+    parser.add_argument("--timeout", type=float, metavar="S", help="seconds per smoke check")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+
+    def progress(result: CandidateResult) -> None:
+        print(result.line(), flush=True)
+
+    if not args.json:
+        print("checking all-reduce backends (each runs in a child process)...", flush=True)
+    try:
+        report = _decide(args.devices, args.backend, args.timeout, None if args.json else progress)
+        status = 0
+    except ValueError as error:
+        print(f"safestrategy: error: {error}", file=sys.stderr)
+        return 2
+    except NoWorkingBackendError as error:
+        report, status = error.report, 1
+        if not args.json:
+            print(f"safestrategy: {error}", file=sys.stderr)
+    except (ImportError, RuntimeError) as error:
+        print(f"safestrategy: {error}", file=sys.stderr)
+        return 1
+    print(report.to_json() if args.json else f"\n{report}")
+    return status

@@ -1,0 +1,68 @@
+"""The frozen report: one record that serves the API, the logs and the CLI."""
+
+import json
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+OK = "ok"
+FAILED = "failed"
+TIMEOUT = "timeout"
+SKIPPED = "skipped"
+NOT_TRIED = "not_tried"
+STATUSES = (OK, FAILED, TIMEOUT, SKIPPED, NOT_TRIED)
+
+
+class CandidateResult(NamedTuple):
+    """What happened to one candidate backend."""
+
+    name: str
+    status: str  #: one of :data:`STATUSES`
+    reason: str = ""
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        """One human-readable line, as the CLI prints it while probing."""
+        timing = f"{self.seconds:6.2f}s" if self.status in (OK, FAILED, TIMEOUT) else " " * 7
+        return f"  {self.name:<18} {self.status:<9} {timing}  {self.reason}".rstrip()
+
+
+class Report(NamedTuple):
+    """What was probed and decided. Immutable; ``to_dict()`` is JSON-ready."""
+
+    backend: str  #: the chosen backend name (or the user's own cross-device-ops class)
+    source: str  #: who chose: "default", "argument" or "env"
+    mode: str  #: "auto", "list" or "forced"
+    devices: Tuple[str, ...]
+    platform: str  #: platform.system(): "Linux", "Windows", "Darwin", ...
+    tf_version: str
+    tf_api: str  #: "tf1-contrib", "tf1" or "tf2"
+    candidates: Tuple[CandidateResult, ...]
+    reason: str = ""  #: why ``backend`` was chosen
+    wsl: bool = False  #: Linux running under Windows Subsystem for Linux
+    nccl_kernels: Optional[int] = None  #: registered NcclAllReduce kernels; None if unknown
+    python: str = ""
+
+    def to_dict(self) -> Dict[str, Any]:
+        data = self._asdict()
+        data["devices"] = list(self.devices)
+        data["candidates"] = [candidate._asdict() for candidate in self.candidates]
+        return data
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        def known(value: Any) -> str:
+            return "unknown" if value is None else str(value)
+
+        platform = self.platform + (" (WSL)" if self.wsl else "")
+        lines = [
+            f"backend      {self.backend}  ({self.mode}, chosen by {self.source})",
+            f"why          {self.reason}",
+            f"devices      {', '.join(self.devices)}",
+            f"platform     {platform}, Python {known(self.python or None)}",
+            f"tensorflow   {self.tf_version} ({self.tf_api})",
+            f"nccl kernels {known(self.nccl_kernels)}",
+            "candidates",
+        ]
+        lines.extend(candidate.line() for candidate in self.candidates)
+        return "\n".join(lines)
