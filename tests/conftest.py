@@ -1,0 +1,90 @@
+"""Shared fixtures. TensorFlow is imported once per test process, on first use.
+
+One pytest process serves one TensorFlow version (nox runs one per version).
+TF2 logical CPU devices must be configured before the runtime starts, so the
+``tf`` fixture configures ``LOGICAL_CPUS`` of them once; a test that needs
+fewer uses the first ones. TF1 tests run graph mode in a ``tf.Session`` made
+with :func:`session_config`.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LOGICAL_CPUS = 3
+
+HAS_TF = importlib.util.find_spec("tensorflow") is not None
+needs_tf = pytest.mark.skipif(not HAS_TF, reason="TensorFlow is not installed in this environment")
+
+
+def cpus(n):
+    """The first ``n`` logical CPU device names."""
+    return [f"/cpu:{i}" for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tf():
+    """TensorFlow, with ``LOGICAL_CPUS`` logical CPU devices (TF2) configured once."""
+    if not HAS_TF:
+        pytest.skip("TensorFlow is not installed in this environment")
+    import tensorflow as tf
+
+    if tf.__version__.startswith("2."):
+        config = tf.config
+        lister = getattr(config, "list_physical_devices", None) or (
+            config.experimental.list_physical_devices
+        )
+        setter = getattr(config, "set_logical_device_configuration", None)
+        if setter is None:  # TF 2.0
+            setter = config.experimental.set_virtual_device_configuration
+            logical = config.experimental.VirtualDeviceConfiguration
+        else:
+            logical = config.LogicalDeviceConfiguration
+        setter(lister("CPU")[0], [logical() for _ in range(LOGICAL_CPUS)])
+    return tf
+
+
+@pytest.fixture(scope="session")
+def tf2(tf):
+    """TensorFlow 2 (eager); skips on TF 1.x."""
+    if not tf.__version__.startswith("2."):
+        pytest.skip(f"needs TF2 eager mode; this is TF {tf.__version__}")
+    return tf
+
+
+@pytest.fixture(scope="session")
+def tf1(tf):
+    """TensorFlow 1.x (graph mode); skips on TF2."""
+    if tf.__version__.startswith("2."):
+        pytest.skip(f"needs TF 1.x graph mode; this is TF {tf.__version__}")
+    return tf
+
+
+def session_config(tf, n=LOGICAL_CPUS):
+    """A TF1 session config with ``n`` CPU devices."""
+    return tf.ConfigProto(device_count={"CPU": n})
+
+
+@pytest.fixture
+def run_cli():
+    """Run ``python -m safestrategy ARGS`` in a subprocess; returns CompletedProcess."""
+    import os
+    import subprocess
+
+    def run(*args, env=None, timeout=600):
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        return subprocess.run(
+            [sys.executable, "-m", "safestrategy", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            universal_newlines=True,
+            env=full_env,
+            timeout=timeout,
+            cwd=str(ROOT),
+        )
+
+    return run
