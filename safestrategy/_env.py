@@ -59,7 +59,9 @@ def _from_env(environ: Mapping[str, str], variable: str) -> Optional[str]:
     return value if value is not None and value.strip() else None
 
 
-def resolve_backend(argument: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Setting:
+def resolve_backend(
+    argument: Optional[str], environ: Optional[Mapping[str, str]] = None
+) -> Setting:
     """The backend setting by precedence: argument, then environment, then auto."""
     environ = os.environ if environ is None else environ
     if argument is not None:

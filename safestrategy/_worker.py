@@ -1,6 +1,6 @@
 """The probe process: imports TensorFlow, reports facts, runs smoke all-reduces.
 
-Run as ``python -m safestrategy._worker '<json>'`` by :mod:`safestrategy.probe`,
+Run as ``python -m safestrategy._worker '<json>'`` by :mod:`safestrategy._probe`,
 never imported by the library itself. A broken NCCL may hang or abort this
 process; the parent survives, kills it at the timeout and starts a new one.
 
@@ -31,7 +31,9 @@ def _first_line(error: BaseException) -> Tuple[str, str]:
 
 def _list_physical(tf: Any, kind: str) -> List[Any]:
     config = tf.config
-    lister = getattr(config, "list_physical_devices", None) or config.experimental.list_physical_devices
+    lister = (
+        getattr(config, "list_physical_devices", None) or config.experimental.list_physical_devices
+    )
     return lister(kind)
 
 
@@ -79,9 +81,7 @@ def _tf2_all_reduce(tf: Any, strategy: Any) -> List[Tuple[str, List[float]]]:
     def replica_fn() -> Any:
         context = tf.distribute.get_replica_context()
         replica = tf.cast(context.replica_id_in_sync_group, tf.float32)
-        return context.all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.fill([VECTOR_SIZE], replica + 1.0)
-        )
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.fill([VECTOR_SIZE], replica + 1.0))
 
     run = getattr(strategy, "run", None) or strategy.experimental_run_v2
     result = tf.function(lambda: run(replica_fn))()
@@ -97,10 +97,7 @@ class Checker:
         self.eager = self.tf.__version__.startswith("2.")
         cpus = max([d.index + 1 for d in devices or () if d.kind == "CPU"] or [1])
         self.session_config = None if self.eager else _session_config(self.tf, cpus)
-        if self.eager:
-            gpus = _configure_tf2(self.tf, cpus)
-        else:
-            gpus = _gpu_count_tf1(self.tf, cpus)
+        gpus = _configure_tf2(self.tf, cpus) if self.eager else _gpu_count_tf1(self.tf, cpus)
         default = [f"/device:GPU:{i}" for i in range(gpus)] or ["/device:CPU:0"]
         self.devices = [str(d) for d in devices] if devices else default
         self.facts = {

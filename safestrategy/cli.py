@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from ._env import DEFAULT_TIMEOUT, ENV_BACKEND, ENV_TIMEOUT
 from .backends import BACKENDS
-from .factory import NoWorkingBackendError, _decide
+from .factory import NoWorkingBackendError, _decide, _request
 from .report import CandidateResult
 
 
@@ -45,7 +45,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.json:
         print("checking all-reduce backends (each runs in a child process)...", flush=True)
     try:
-        report = _decide(args.devices, args.backend, args.timeout, None if args.json else progress)
+        request = _request(args.devices, args.backend, args.timeout)
+        report = _decide(request, None if args.json else progress)
         status = 0
     except ValueError as error:
         print(f"safestrategy: error: {error}", file=sys.stderr)

@@ -3,18 +3,20 @@
 import logging
 import platform as _platform
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from . import _tf, probe as _probe
-from ._devices import parse_devices
-from ._env import ENV_BACKEND, resolve_backend, resolve_timeout
+from . import _probe, _tf
+from ._devices import Device, parse_devices
+from ._env import ENV_BACKEND, Setting, resolve_backend, resolve_timeout
 from .backends import build_cross_device_ops, build_strategy
-from .choose import decide, failure_message
+from .choose import Decision, decide, failure_message
 from .report import CandidateResult, Report
 
 logger = logging.getLogger("safestrategy")
 
 _last_report: Optional[Report] = None
+# Decisions that found a backend, by (devices, mode, names, timeout): probing costs seconds.
+_decisions: Dict[Any, Tuple[Dict[str, Any], Tuple[Device, ...], Decision]] = {}
 _lock = threading.Lock()
 
 
@@ -26,41 +28,67 @@ class NoWorkingBackendError(RuntimeError):
         self.report = report
 
 
-def _decide(
-    devices: Optional[Sequence[str]],
-    backend: Optional[str],
-    timeout: Optional[float],
-    on_result: Optional[Callable[[CandidateResult], None]] = None,
-) -> Report:
-    setting = resolve_backend(backend)
-    seconds = resolve_timeout(timeout)
-    requested = parse_devices(devices) if devices is not None else None
-    version = _tf.tf_version()
-    if version is None:
-        raise ImportError(_tf.INSTALL_HINT)
-    prober = _probe.Prober(requested, seconds)
+class _Request(NamedTuple):
+    """A validated request: nothing has been probed or imported yet."""
+
+    devices: Optional[Tuple[Device, ...]]
+    setting: Setting
+    timeout: float
+
+
+def _request(
+    devices: Optional[Sequence[str]], backend: Optional[str], timeout: Optional[float]
+) -> _Request:
+    """Validate every input (``ValueError``) before anything touches a device."""
+    return _Request(
+        parse_devices(devices) if devices is not None else None,
+        resolve_backend(backend),
+        resolve_timeout(timeout),
+    )
+
+
+def _probe_devices(
+    request: _Request, on_result: Optional[Callable[[CandidateResult], None]]
+) -> Tuple[Dict[str, Any], Tuple[Device, ...], Decision]:
+    """Start the probe process if needed, walk the candidates: (facts, devices, decision)."""
+    requested = request.devices
+    prober = _probe.Prober(requested, request.timeout)
     try:
         facts = prober.start() if requested is None or len(requested) > 1 else {}
-        chosen_devices = requested or parse_devices(facts["devices"])
+        devices = requested or parse_devices(facts["devices"])
 
         def check(name: str) -> CandidateResult:
-            result = prober.check(name, len(chosen_devices))
+            result = prober.check(name, len(devices))
             logger.debug("smoke check %s: %s %s", name, result.status, result.reason)
             if on_result is not None:
                 on_result(result)
             return result
 
-        decision = decide(setting, chosen_devices, check)
+        return facts, devices, decide(request.setting, devices, check)
     except _probe.ProbeDied as error:
         raise RuntimeError(f"safestrategy's probe process {error}") from None
     finally:
         prober.close()
+
+
+def _decide(
+    request: _Request, on_result: Optional[Callable[[CandidateResult], None]] = None
+) -> Report:
+    """The report for ``request``: probed once per device set and setting per process."""
+    version = _tf.tf_version()
+    if version is None:
+        raise ImportError(_tf.INSTALL_HINT)
+    setting = request.setting
+    key = (request.devices, setting.mode, setting.names, request.timeout)
+    with _lock:
+        cached = _decisions.get(key)
+    facts, devices, decision = cached or _probe_devices(request, on_result)
     version = facts.get("tf_version", version)
     report = Report(
         backend=decision.backend or "none",
         source=setting.source,
         mode=setting.mode,
-        devices=tuple(str(d) for d in chosen_devices),
+        devices=tuple(str(d) for d in devices),
         platform=_probe.system(),
         tf_version=version,
         tf_api=_tf.tf_api(version),
@@ -71,7 +99,9 @@ def _decide(
         python=_platform.python_version(),
     )
     if decision.backend is None:
-        raise NoWorkingBackendError(failure_message(chosen_devices, decision.results), report)
+        raise NoWorkingBackendError(failure_message(devices, decision.results), report)
+    with _lock:
+        _decisions[key] = facts, devices, decision
     return report
 
 
@@ -87,7 +117,10 @@ def _log(report: Report) -> None:
             ENV_BACKEND,
         )
     logger.info(
-        "using all-reduce backend %s on %s: %s", report.backend, ", ".join(report.devices), report.reason
+        "using all-reduce backend %s on %s: %s",
+        report.backend,
+        ", ".join(report.devices),
+        report.reason,
     )
 
 
@@ -103,7 +136,7 @@ def probe(
     the :class:`Report`; raises :class:`NoWorkingBackendError` (with
     ``.report``) when no candidate works and ``ValueError`` for bad settings.
     """
-    return _decide(devices, backend, timeout)
+    return _decide(_request(devices, backend, timeout))
 
 
 def last_report() -> Optional[Report]:
@@ -124,16 +157,17 @@ def make_mirrored_strategy(
     as given, with no probing.
     """
     global _last_report
+    own_ops = kwargs.get("cross_device_ops", kwargs.get("cross_tower_ops"))
+    if own_ops is not None and backend is not None:
+        raise ValueError("pass either backend= or your own cross_device_ops, not both")
+    request = None if own_ops is not None else _request(devices, backend, None)
     tf = _tf.import_tf()
     era = _tf.era(tf.__version__)
-    own_ops = kwargs.get("cross_device_ops", kwargs.get("cross_tower_ops"))
-    if own_ops is not None:
-        if backend is not None:
-            raise ValueError("pass either backend= or your own cross_device_ops, not both")
+    if request is None:
         strategy = build_strategy(tf, era, devices, **kwargs)
         report = _own_ops_report(tf.__version__, strategy, own_ops)
     else:
-        report = _decide(devices, backend, None)
+        report = _decide(request)
         _log(report)
         ops = build_cross_device_ops(tf, era, report.backend)
         strategy = build_strategy(tf, era, list(report.devices), ops, **kwargs)

@@ -25,6 +25,14 @@ def cpus(n):
     return [f"/cpu:{i}" for i in range(n)]
 
 
+@pytest.fixture(autouse=True)
+def fresh_decisions():
+    """Each test probes for itself: forget the decisions earlier tests cached."""
+    from safestrategy import factory
+
+    factory._decisions.clear()
+
+
 @pytest.fixture(scope="session")
 def tf():
     """TensorFlow, with ``LOGICAL_CPUS`` logical CPU devices (TF2) configured once."""

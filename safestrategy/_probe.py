@@ -10,6 +10,7 @@ new process, so a poisoned CUDA context cannot fail an innocent candidate.
 """
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -81,7 +82,7 @@ class Worker:
             universal_newlines=True,
             env=env,
         )
-        self.replies: "queue.Queue[Optional[str]]" = queue.Queue()
+        self.replies: queue.Queue[Optional[str]] = queue.Queue()
         self.stderr: Deque[str] = collections.deque(maxlen=20)
         for target in (self._read_stdout, self._read_stderr):
             threading.Thread(target=target, daemon=True).start()
@@ -102,7 +103,9 @@ class Worker:
             line = self.replies.get(timeout=timeout)
         except queue.Empty:
             self.close()
-            raise ProbeTimeout(f"no answer within {timeout:g} s; the probe process was killed")
+            raise ProbeTimeout(
+                f"no answer within {timeout:g} s; the probe process was killed"
+            ) from None
         if line is None:
             returncode = self.process.wait()
             last = next((text for text in reversed(self.stderr) if text.strip()), "")
@@ -124,10 +127,8 @@ class Worker:
             self.process.kill()
         self.process.wait()
         for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
-            try:
+            with contextlib.suppress(OSError):
                 stream.close()
-            except OSError:
-                pass
 
 
 def wrong_sums(values: Sequence[Sequence[Any]], replicas: int) -> Optional[str]:
