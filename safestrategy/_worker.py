@@ -77,7 +77,9 @@ def _nccl_kernels() -> Optional[int]:
         return None
 
 
-def _tf2_all_reduce(tf: Any, strategy: Any) -> List[Tuple[str, List[float]]]:
+def _eager_all_reduce(tf: Any, strategy: Any) -> List[Tuple[str, List[float]]]:
+    """TF2: ``ReplicaContext.all_reduce`` inside a ``tf.function``."""
+
     def replica_fn() -> Any:
         context = tf.distribute.get_replica_context()
         replica = tf.cast(context.replica_id_in_sync_group, tf.float32)
@@ -86,6 +88,47 @@ def _tf2_all_reduce(tf: Any, strategy: Any) -> List[Tuple[str, List[float]]]:
     run = getattr(strategy, "run", None) or strategy.experimental_run_v2
     result = tf.function(lambda: run(replica_fn))()
     return [(t.device, t.numpy().tolist()) for t in strategy.experimental_local_results(result)]
+
+
+def _graph_all_reduce(
+    tf: Any, era: str, strategy: Any, config: Any
+) -> List[Tuple[str, List[float]]]:
+    """TF 1.x graph mode: merge_call into the strategy's own reduce, run in a Session.
+
+    ``destinations=value`` makes it an all-reduce through the cross-device ops;
+    TF 1.12 spells everything "tower" and passes merge_call arguments directly.
+    """
+    contrib = era == "contrib-tower"
+
+    def merge_fn(distribution: Any, value: Any) -> Any:
+        if contrib:
+            return distribution.reduce(tf.VariableAggregation.SUM, value, destinations=value)
+        return distribution.extended.reduce_to(
+            tf.distribute.ReduceOp.SUM, value, destinations=value
+        )
+
+    def replica_fn() -> Any:
+        if contrib:
+            context = tf.contrib.distribute.get_tower_context()
+            replica = context.tower_id
+        else:
+            context = tf.distribute.get_replica_context()
+            replica = context.replica_id_in_sync_group
+        value = tf.fill([VECTOR_SIZE], tf.cast(replica, tf.float32) + 1.0)
+        if contrib:
+            return context.merge_call(merge_fn, value)
+        return context.merge_call(merge_fn, args=(value,))
+
+    with strategy.scope():
+        if contrib:
+            result = strategy.call_for_each_tower(replica_fn)
+        else:
+            result = strategy.extended.call_for_each_replica(replica_fn)
+        unwrap = getattr(strategy, "experimental_local_results", None) or strategy.unwrap
+        tensors = list(unwrap(result))
+    with tf.Session(config=config) as session:
+        values = session.run(tensors)
+    return [(t.device, v.tolist()) for t, v in zip(tensors, values)]
 
 
 class Checker:
@@ -108,9 +151,14 @@ class Checker:
         }
 
     def all_reduce(self, name: str) -> List[Tuple[str, List[float]]]:
-        ops = build_cross_device_ops(self.tf, self.era, name)
-        strategy = build_strategy(self.tf, self.era, self.devices, ops)
-        return _tf2_all_reduce(self.tf, strategy)
+        """Every replica's result of one sum all-reduce with backend ``name``."""
+        if self.eager:
+            ops = build_cross_device_ops(self.tf, self.era, name)
+            return _eager_all_reduce(self.tf, build_strategy(self.tf, self.era, self.devices, ops))
+        with self.tf.Graph().as_default():
+            ops = build_cross_device_ops(self.tf, self.era, name)
+            strategy = build_strategy(self.tf, self.era, self.devices, ops)
+            return _graph_all_reduce(self.tf, self.era, strategy, self.session_config)
 
 
 def main(argv: Sequence[str]) -> int:
