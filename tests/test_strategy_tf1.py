@@ -1,0 +1,140 @@
+"""The factory on real TensorFlow 1.x (1.12 contrib, 1.13, 1.15), graph mode.
+
+Each replica trains a linear model on its slice of a fixed batch; gradients
+are summed by the strategy's cross-device ops (``apply_gradients`` in replica
+context), so a wrong or missing all-reduce shows up in the weights.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+
+import safestrategy
+
+from .conftest import cpus, session_config
+
+SEED_ERROR = "No OpKernel was registered to support Op 'NcclAllReduce'"
+BATCH, STEPS = 6, 5
+RNG = np.random.RandomState(0)
+X = RNG.randn(BATCH, 3).astype(np.float32)
+Y = (X.dot(np.array([[1.0], [-2.0], [0.5]], np.float32)) + 0.3).astype(np.float32)
+
+
+def contrib(tf):
+    return tf.__version__.startswith("1.12")
+
+
+def mean_squared_loss(tf, x, y):
+    w = tf.get_variable("w", [3, 1], initializer=tf.zeros_initializer())
+    b = tf.get_variable("b", [1], initializer=tf.zeros_initializer())
+    return tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y))
+
+
+def train(tf, make_strategy, n):
+    """Weights after STEPS steps: each of ``n`` replicas sees BATCH / n rows."""
+    per = BATCH // n
+    with tf.Graph().as_default():
+        strategy = make_strategy()
+
+        def step():
+            if contrib(tf):
+                replica = tf.contrib.distribute.get_tower_context().tower_id
+            else:
+                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            rows = slice(replica * per, (replica + 1) * per)
+            loss = mean_squared_loss(tf, tf.constant(X)[rows], tf.constant(Y)[rows]) / n
+            variables = tf.trainable_variables()
+            optimizer = tf.train.GradientDescentOptimizer(0.1)
+            return optimizer.apply_gradients(zip(tf.gradients(loss, variables), variables))
+
+        with strategy.scope():
+            if contrib(tf):
+                train_op = tf.group(*strategy.unwrap(strategy.call_for_each_tower(step)))
+            else:
+                result = strategy.extended.call_for_each_replica(step)
+                unwrap = getattr(strategy, "experimental_local_results", None) or strategy.unwrap
+                train_op = tf.group(*unwrap(result))
+        with tf.Session(config=session_config(tf, n)) as session:
+            session.run(tf.global_variables_initializer())
+            for _ in range(STEPS):
+                session.run(train_op)
+            return session.run(tf.trainable_variables())
+
+
+@pytest.fixture(scope="module")
+def single_device_weights(tf1):
+    with tf1.Graph().as_default():
+        loss = mean_squared_loss(tf1, tf1.constant(X), tf1.constant(Y))
+        train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        with tf1.Session() as session:
+            session.run(tf1.global_variables_initializer())
+            for _ in range(STEPS):
+                session.run(train_op)
+            return session.run(tf1.trainable_variables())
+
+
+def assert_trains_like_one_device(tf, make_strategy, n, expected):
+    for got, want in zip(train(tf, make_strategy, n), expected):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def plain_nccl_strategy(tf, devices):
+    """MirroredStrategy with NCCL, spelled as users of each TF 1.x release spell it."""
+    if contrib(tf):
+        ops = tf.contrib.distribute.AllReduceCrossTowerOps("nccl")
+        return tf.contrib.distribute.MirroredStrategy(devices, cross_tower_ops=ops)
+    if tf.__version__.startswith("1.13"):
+        ops = tf.contrib.distribute.AllReduceCrossDeviceOps("nccl")
+    else:
+        ops = tf.distribute.NcclAllReduce()
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+
+def test_the_seed_error_is_real_with_plain_mirrored_strategy(tf1):
+    with pytest.raises(tf1.errors.InvalidArgumentError, match=SEED_ERROR):
+        train(tf1, lambda: plain_nccl_strategy(tf1, cpus(2)), 2)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_auto_trains_like_one_device(tf1, single_device_weights, n):
+    reports = []
+
+    def make():
+        strategy = safestrategy.make_mirrored_strategy(cpus(n))
+        reports.append(safestrategy.last_report())
+        return strategy
+
+    assert_trains_like_one_device(tf1, make, n, single_device_weights)
+    (report,) = reports
+    assert report.tf_api == ("tf1-contrib" if contrib(tf1) else "tf1")
+    expected = "reduce_to_cpu" if n == 3 else "hierarchical_copy"
+    assert report.backend == expected
+    if n == 3:
+        assert "expected 6 on each of 3 replicas, got [3.0" in report.candidates[1].reason
+
+
+def test_env_list_runs_the_real_nccl_check_and_falls_back(
+    tf1, single_device_weights, monkeypatch, caplog
+):
+    monkeypatch.setenv("SAFESTRATEGY_BACKEND", "nccl,reduce_to_cpu")
+    with caplog.at_level(logging.WARNING, logger="safestrategy"):
+        assert_trains_like_one_device(
+            tf1, lambda: safestrategy.make_mirrored_strategy(cpus(2)), 2, single_device_weights
+        )
+    report = safestrategy.last_report()
+    assert (report.backend, report.candidates[0].status) == ("reduce_to_cpu", "failed")
+    assert SEED_ERROR in report.candidates[0].reason
+    (warning,) = [r for r in caplog.records if r.name == "safestrategy"]
+    assert "nccl failed" in warning.getMessage()
+
+
+def test_forced_hierarchical_copy_on_three_devices_is_refused(tf1):
+    with pytest.raises(safestrategy.NoWorkingBackendError, match="expected 6"):
+        safestrategy.make_mirrored_strategy(cpus(3), backend="hierarchical_copy")
+
+
+def test_the_strategy_class_matches_the_tf_era(tf1):
+    strategy = safestrategy.make_mirrored_strategy(cpus(2), backend="reduce_to_cpu")
+    module = tf1.contrib.distribute if contrib(tf1) else tf1.distribute
+    assert isinstance(strategy, module.MirroredStrategy)

@@ -1,0 +1,141 @@
+"""The factory on real TensorFlow 2, over logical CPU devices.
+
+The seed error is real here: NcclAllReduce has no kernel for CPU devices, so
+plain MirroredStrategy with NCCL dies exactly as on a GPU box without NCCL.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+
+import safestrategy
+from safestrategy import _probe
+
+from .conftest import cpus
+
+SEED_ERROR = "No OpKernel was registered to support Op 'NcclAllReduce'"
+
+X = np.linspace(-1.0, 1.0, 48 * 4, dtype=np.float32).reshape(48, 4)
+Y = (X @ np.array([[0.5], [-1.0], [2.0], [0.25]], dtype=np.float32) + 0.3).astype(np.float32)
+
+
+def keras_weights(tf, strategy):
+    """Train a tiny model for 8 steps (global batch 6) under ``strategy``; its weights."""
+    with strategy.scope():
+        model = tf.keras.Sequential(
+            [tf.keras.layers.Dense(1, kernel_initializer="ones", bias_initializer="zeros")]
+        )
+        model.build((None, 4))
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(X, Y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+@pytest.fixture(scope="module")
+def single_device_weights(tf2):
+    return keras_weights(tf2, tf2.distribute.OneDeviceStrategy("/cpu:0"))
+
+
+def assert_trains_like_one_device(tf, strategy, expected):
+    for got, want in zip(keras_weights(tf, strategy), expected):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_the_seed_error_is_real_with_plain_mirrored_strategy(tf2):
+    strategy = tf2.distribute.MirroredStrategy(
+        cpus(2), cross_device_ops=tf2.distribute.NcclAllReduce()
+    )
+    with pytest.raises(tf2.errors.InvalidArgumentError, match=SEED_ERROR):
+        keras_weights(tf2, strategy)
+
+
+def test_tensorflows_own_nccl_guard_is_truthy_with_zero_kernels(tf2):
+    from tensorflow.python.framework import kernels
+
+    registered = kernels.get_registered_kernels_for_op("NcclAllReduce")
+    assert len(registered.kernel) == 0
+    assert bool(registered)  # why TF's "no NCCL kernel" fallback never runs
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_auto_trains_like_one_device(tf2, single_device_weights, n):
+    strategy = safestrategy.make_mirrored_strategy(cpus(n))
+    assert isinstance(strategy, tf2.distribute.MirroredStrategy)
+    report = safestrategy.last_report()
+    assert report.devices == tuple(f"/device:CPU:{i}" for i in range(n))
+    assert (report.mode, report.source, report.tf_api) == ("auto", "default", "tf2")
+    statuses = {c.name: c.status for c in report.candidates}
+    assert statuses["nccl"] == statuses["reduce_to_gpu"] == "skipped"
+    if n == 3:  # HierarchicalCopyAllReduce drops a replica on odd counts
+        assert statuses["hierarchical_copy"] == "failed"
+        assert "expected 6 on each of 3 replicas" in report.candidates[1].reason
+        assert report.backend == "reduce_to_cpu"
+    assert_trains_like_one_device(tf2, strategy, single_device_weights)
+
+
+def test_a_listed_order_skips_wrong_sums(tf2):
+    safestrategy.make_mirrored_strategy(cpus(3), backend="hierarchical_copy,reduce_to_cpu")
+    report = safestrategy.last_report()
+    assert (report.backend, report.mode, report.source) == ("reduce_to_cpu", "list", "argument")
+
+
+def test_env_list_runs_the_real_nccl_check_and_falls_back(
+    tf2, single_device_weights, monkeypatch, caplog
+):
+    monkeypatch.setenv("SAFESTRATEGY_BACKEND", "nccl,reduce_to_cpu")
+    with caplog.at_level(logging.INFO, logger="safestrategy"):
+        strategy = safestrategy.make_mirrored_strategy(cpus(2))
+    report = safestrategy.last_report()
+    nccl = report.candidates[0]
+    assert (nccl.status, report.backend, report.source) == ("failed", "reduce_to_cpu", "env")
+    assert SEED_ERROR in nccl.reason
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    message = warning.getMessage()
+    for part in ("nccl failed", SEED_ERROR, "using reduce_to_cpu", "SAFESTRATEGY_BACKEND"):
+        assert part in message
+    assert any(
+        r.levelno == logging.INFO and "reduce_to_cpu" in r.getMessage() for r in caplog.records
+    )
+    assert_trains_like_one_device(tf2, strategy, single_device_weights)
+
+
+def test_forced_hierarchical_copy_on_three_devices_is_refused(tf2):
+    with pytest.raises(safestrategy.NoWorkingBackendError, match="expected 6") as error:
+        safestrategy.make_mirrored_strategy(cpus(3), backend="hierarchical_copy")
+    assert error.value.report.mode == "forced"
+
+
+@pytest.mark.parametrize("name", safestrategy.BACKEND_NAMES)
+def test_every_backend_can_be_forced_on_two_devices(tf2, name):
+    if name == "nccl":
+        with pytest.raises(safestrategy.NoWorkingBackendError, match=SEED_ERROR):
+            safestrategy.make_mirrored_strategy(cpus(2), backend=name)
+        return
+    strategy = safestrategy.make_mirrored_strategy(cpus(2), backend=name)
+    assert strategy.num_replicas_in_sync == 2
+    assert safestrategy.last_report().backend == name
+
+
+def test_your_own_cross_device_ops_are_used_as_given(tf2, monkeypatch):
+    monkeypatch.setattr(_probe, "Prober", None)  # any probing would fail
+    ops = tf2.distribute.ReductionToOneDevice()
+    strategy = safestrategy.make_mirrored_strategy(cpus(2), cross_device_ops=ops)
+    assert strategy.extended._cross_device_ops is ops
+    assert safestrategy.last_report().reason.startswith("cross-device ops given by the caller")
+
+
+def test_bad_settings_fail_before_any_probe(tf2, monkeypatch):
+    monkeypatch.setattr(_probe, "Prober", None)
+    monkeypatch.setenv("SAFESTRATEGY_BACKEND", "nccl;reduce_to_cpu")
+    with pytest.raises(ValueError, match="SAFESTRATEGY_BACKEND"):
+        safestrategy.make_mirrored_strategy(cpus(2))
+    with pytest.raises(ValueError, match="devices"):
+        safestrategy.make_mirrored_strategy(["/cpu:0", "/cpu:0"], backend="reduce_to_cpu")
+
+
+def test_one_device_needs_no_probe(tf2, monkeypatch):
+    monkeypatch.setattr(_probe.Prober, "start", None)
+    strategy = safestrategy.make_mirrored_strategy(["/cpu:0"])
+    assert strategy.num_replicas_in_sync == 1
+    assert {c.status for c in safestrategy.last_report().candidates} == {"not_tried"}
