@@ -1,0 +1,63 @@
+"""``python -m safestrategy`` in a subprocess, on this leg's real TensorFlow."""
+
+import json
+
+import pytest
+
+from .conftest import needs_tf
+
+pytestmark = needs_tf
+
+
+@pytest.fixture(scope="module")
+def tf_version():
+    from safestrategy._tf import tf_api, tf_version
+
+    return tf_version(), tf_api(tf_version())
+
+
+def test_json_is_only_json_and_names_this_legs_tensorflow(run_cli, tf_version):
+    done = run_cli("--json", "--devices", "/cpu:0", "/cpu:1", "--backend", "nccl,reduce_to_cpu")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["tf_version"], report["tf_api"]) == tf_version
+    assert report["backend"] == "reduce_to_cpu"
+    assert report["mode"] == "list"
+    assert report["devices"] == ["/device:CPU:0", "/device:CPU:1"]
+    nccl = report["candidates"][0]
+    assert nccl["status"] == "failed"
+    assert "NcclAllReduce" in nccl["reason"]
+    assert set(nccl) == {"name", "status", "reason", "seconds"}
+
+
+def test_text_shows_each_candidate_as_it_completes_then_the_table(run_cli):
+    done = run_cli("--devices", "/cpu:0", "/cpu:1", "/cpu:2")
+    assert done.returncode == 0, done.stderr
+    progress, table = done.stdout.split("\n\n", 1)
+    assert progress.splitlines()[1].split()[:2] == ["hierarchical_copy", "failed"]
+    assert progress.splitlines()[2].split()[:2] == ["reduce_to_cpu", "ok"]
+    assert table.startswith("backend      reduce_to_cpu  (auto, chosen by default)")
+    assert "nccl               skipped" in table
+
+
+def test_exit_1_when_nothing_works(run_cli):
+    done = run_cli("--json", "--devices", "/cpu:0", "/cpu:1", "/cpu:2", "--backend", "nccl")
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["candidates"][0]["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--backend", "ncll"], {}, "unknown backend 'ncll'"),
+        ([], {"SAFESTRATEGY_BACKEND": "nccl;reduce_to_cpu"}, "SAFESTRATEGY_BACKEND"),
+        ([], {"SAFESTRATEGY_PROBE_TIMEOUT": "-3"}, "SAFESTRATEGY_PROBE_TIMEOUT"),
+        (["--devices", "gpu"], {}, "not a local device name"),
+        (["--timeout", "soon"], {}, "invalid float value"),
+    ],
+)
+def test_exit_2_on_bad_arguments_or_environment(run_cli, args, env, message):
+    done = run_cli(*args, env=env)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert done.stdout == "" or "checking" in done.stdout

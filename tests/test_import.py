@@ -1,0 +1,34 @@
+"""``import safestrategy`` is free: no TensorFlow, no devices, no environment changes."""
+
+import subprocess
+import sys
+
+from .conftest import ROOT
+
+SCRIPT = """
+import os, sys
+before = dict(os.environ)
+sys.modules["tensorflow"] = None  # as if TensorFlow were not installed
+import safestrategy
+assert "tensorflow" not in [m for m in sys.modules if sys.modules[m] is not None], "TF imported"
+assert dict(os.environ) == before, "environment changed"
+assert sorted(safestrategy.__all__) == safestrategy.__all__
+try:
+    safestrategy.make_mirrored_strategy()
+except ImportError as error:
+    print(error)
+else:
+    raise AssertionError("no ImportError")
+"""
+
+
+def test_import_touches_nothing_and_missing_tensorflow_says_how_to_install():
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+        cwd=str(ROOT),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'safestrategy[cpu]'" in done.stdout

@@ -1,0 +1,54 @@
+"""The report's renderings: one record, JSON-ready, readable as text."""
+
+import json
+
+from safestrategy import CandidateResult, Report
+
+
+def make_report(**changes):
+    fields = dict(
+        backend="reduce_to_cpu",
+        source="env",
+        mode="list",
+        devices=("/device:GPU:0", "/device:GPU:1"),
+        platform="Windows",
+        tf_version="2.10.1",
+        tf_api="tf2",
+        candidates=(
+            CandidateResult("nccl", "failed", "InvalidArgumentError: No OpKernel", 0.5),
+            CandidateResult("reduce_to_cpu", "ok", "all 2 replicas got the right sum", 0.1),
+        ),
+        reason="first candidate that passed",
+    )
+    fields.update(changes)
+    return Report(**fields)
+
+
+def test_to_json_round_trips_to_dict():
+    report = make_report()
+    data = json.loads(report.to_json())
+    assert data == report.to_dict()
+    assert data["candidates"][0] == {
+        "name": "nccl",
+        "status": "failed",
+        "reason": "InvalidArgumentError: No OpKernel",
+        "seconds": 0.5,
+    }
+    assert data["nccl_kernels"] is None
+
+
+def test_text_renders_unknowns_and_every_candidate():
+    text = str(make_report(wsl=True))
+    assert "backend      reduce_to_cpu  (list, chosen by env)" in text
+    assert "nccl kernels unknown" in text
+    assert "Windows (WSL)" in text
+    assert "  nccl               failed      0.50s  InvalidArgumentError: No OpKernel" in text
+
+
+def test_the_report_is_frozen():
+    report = make_report()
+    try:
+        report.backend = "nccl"
+    except AttributeError:
+        return
+    raise AssertionError("Report accepted an assignment")
