@@ -168,12 +168,16 @@ class Prober:
         return self.facts
 
     def check(self, name: str, replicas: int) -> CandidateResult:
-        """Run backend ``name``'s smoke all-reduce and judge it."""
-        started = time.monotonic()
+        """Run backend ``name``'s smoke all-reduce and judge it.
+
+        ``seconds`` is the check alone, not the start of a fresh process.
+        """
         status, reason, healthy = FAILED, "", False
+        started = time.monotonic()
         try:
             if self.worker is None:
                 self.worker = self._start()
+                started = time.monotonic()
             reply = self.worker.ask({"check": name}, self.timeout)
         except ProbeTimeout as error:
             status, reason = TIMEOUT, str(error)
