@@ -1,0 +1,316 @@
+"""Drop-in for TensorFlow's ``nccl_ops`` that also works where NCCL does not.
+
+Custom multi-device optimizers (StyleGAN's ``dnnlib/tflib/optimizer.py`` and
+its many copies) call ``nccl_ops.all_sum(grads)`` themselves; on a build
+without NCCL (native Windows, CPU devices, many custom builds) that dies with
+``No OpKernel was registered to support Op 'NcclAllReduce'``. Change the import::
+
+    from tensorflow.python.ops import nccl_ops      # or tensorflow.contrib.nccl
+    from safestrategy import nccl_ops               # instead
+
+and the rest of the code stays as it is. The six functions keep TensorFlow's
+signatures, argument checks, errors and output placement (result *i* on the
+device of input *i*). For each set of input devices the module decides once
+per process:
+
+* NCCL, through TensorFlow's own ops, when every input is on a different GPU
+  and NCCL's smoke check (a real all-reduce in a child process, so a hanging
+  NCCL cannot hang you) passes on exactly those GPUs;
+* otherwise an equivalent that reduces on one device (the first input's) and
+  copies the result back to each input's device. A failed smoke check is
+  logged once as a WARNING on the ``safestrategy`` logger; inputs on CPUs,
+  shared GPUs or a single device cannot use NCCL, which is logged at INFO.
+
+``SAFESTRATEGY_BACKEND`` steers the choice: ``nccl`` alone means always NCCL,
+unchecked (TensorFlow's behaviour); a value that does not start with ``nccl``
+means never NCCL, and one whose first non-NCCL name is ``reduce_to_cpu``
+reduces on ``/device:CPU:0`` instead of the first input's device. ``auto``
+(the default) and lists starting with ``nccl`` use the smoke check.
+
+Where TensorFlow's would crash or hang at run time, these raise at once:
+mixed dtypes or shapes are a ``ValueError``. Zero-sized tensors, which NCCL
+has no use for, always take the equivalent. ``broadcast`` always does too
+(see its docstring).
+
+Importing this module imports no TensorFlow. TensorFlow's ``nccl_ops`` is
+imported on first use, which registers its gradients for the ``Nccl*`` ops
+(once: registering them again would raise ``KeyError``); the equivalent is
+made of ordinary ops and is differentiated by TensorFlow as usual, with the
+same gradients as NCCL's (and, like NCCL's, none for ``all_prod``,
+``all_min`` and ``all_max``: asking raises ``LookupError``).
+"""
+
+import logging
+import threading
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from . import _probe
+from ._devices import Device, parse_device
+from ._env import ENV_BACKEND, Setting, resolve_backend, resolve_timeout
+from ._tf import import_tf
+from .backends import CPU_DEVICE
+from .report import OK, TIMEOUT, CandidateResult
+
+__all__ = ["all_max", "all_min", "all_prod", "all_sum", "broadcast", "reduce_sum"]
+
+logger = logging.getLogger("safestrategy")
+
+NCCL = "nccl"
+
+#: The dtypes TensorFlow's Nccl* ops accept (their ``T`` attribute; the same in TF 1.12-2.21).
+NCCL_DTYPES = ("float16", "float32", "float64", "int32", "int64")
+
+#: TensorFlow's message when an NCCL reduction other than sum is differentiated.
+NO_GRADIENT = 'No gradient defined for NcclAllReduce except for reduction="sum".'
+
+
+class _Decision(NamedTuple):
+    """How one device set is reduced: NCCL or reduce-and-copy, and why."""
+
+    nccl: bool
+    reason: str
+    #: Where reduce-and-copy reduces; None: on the first input's device.
+    reduce_on: Optional[str] = None
+    #: NCCL's smoke check, when one ran (a failed one is logged as a WARNING).
+    check: Optional[CandidateResult] = None
+
+
+_decisions: Dict[Tuple[Tuple[str, ...], Setting], _Decision] = {}
+_lock = threading.Lock()
+
+
+def all_sum(tensors: Sequence[Any]) -> List[Any]:
+    """The sum of ``tensors``, one result on each input's device.
+
+    Args:
+      tensors: one tensor per device, all of one shape and dtype, each with a
+        device assigned.
+
+    Returns:
+      A list of tensors, each the sum of the inputs, where tensor *i* has the
+      same device as ``tensors[i]``. Differentiable: the gradient of input *i*
+      is the sum of the gradients of all outputs, as with NCCL.
+    """
+    return _apply_all_reduce("sum", tensors)
+
+
+def all_prod(tensors: Sequence[Any]) -> List[Any]:
+    """The element-wise product of ``tensors``, one result on each input's device."""
+    return _apply_all_reduce("prod", tensors)
+
+
+def all_min(tensors: Sequence[Any]) -> List[Any]:
+    """The element-wise minimum of ``tensors``, one result on each input's device."""
+    return _apply_all_reduce("min", tensors)
+
+
+def all_max(tensors: Sequence[Any]) -> List[Any]:
+    """The element-wise maximum of ``tensors``, one result on each input's device."""
+    return _apply_all_reduce("max", tensors)
+
+
+def reduce_sum(tensors: Sequence[Any]) -> Any:
+    """The sum of ``tensors`` as one tensor on the current device.
+
+    As with TensorFlow's, the current device (the enclosing ``tf.device``)
+    must be the device of one of the inputs, else ``ValueError``. Eagerly
+    this is always the equivalent: TensorFlow's ``NcclReduce`` kernel is a
+    stub that its graph optimization replaces, so it cannot run op by op.
+    """
+    if not tensors:
+        raise ValueError("Must pass >0 tensors to reduce operations")
+    tensors = _checked(tensors, "reduce_sum")
+    tf = import_tf()
+    if not tf.executing_eagerly() and _decision(tensors).nccl:
+        return _tf_nccl_ops().reduce_sum(tensors)
+    with tf.name_scope("reduce_sum"):
+        result = tf.add_n(tensors) if len(tensors) > 1 else tf.identity(tensors[0])
+    if not any(t.device == result.device for t in tensors):
+        raise ValueError("One input tensor must be assigned to current device")
+    return result
+
+
+def broadcast(tensor: Any) -> Any:
+    """``tensor`` on its own device, to be used as input to ops on other devices.
+
+    Always the plain equivalent, an identity that TensorFlow copies to each
+    consumer's device: the receiving devices are not known here, so there is
+    no device set to check NCCL on, and TensorFlow's ``NcclBroadcast`` kernel
+    is a stub that only its graph optimization replaces (eagerly it fails).
+    """
+    (tensor,) = _checked([tensor], "broadcast")
+    tf = import_tf()
+    with tf.device(tensor.device):
+        return tf.identity(tensor)
+
+
+def _tf_nccl_ops() -> Any:
+    """TensorFlow's own ``nccl_ops`` module, imported (and its gradients registered) once."""
+    import_tf()
+    try:
+        from tensorflow.python.ops import nccl_ops
+    except ImportError:  # TF 1.12 has it in contrib only
+        from tensorflow.contrib.nccl.python.ops import nccl_ops
+    return nccl_ops
+
+
+def _checked(tensors: Sequence[Any], function: str) -> List[Any]:
+    """``tensors`` as a list, checked as TensorFlow checks them and then some.
+
+    Device and dtype errors are TensorFlow's own (``ValueError``, ``TypeError``).
+    Mixed dtypes or shapes, which NCCL would not notice before reading the
+    wrong number of bytes, are a ``ValueError`` here.
+    """
+    tensors = list(tensors)
+    check_device = _tf_nccl_ops()._check_device
+    for tensor in tensors:
+        check_device(tensor)
+    first = tensors[0]
+    for index, tensor in enumerate(tensors):
+        dtype = tensor.dtype.base_dtype.name
+        if dtype not in NCCL_DTYPES:
+            raise TypeError(
+                f"Value passed to parameter 'input' has DataType {dtype} not in list of "
+                f"allowed values: {', '.join(NCCL_DTYPES)}"
+            )
+        if tensor.dtype.base_dtype != first.dtype.base_dtype:
+            raise ValueError(
+                f"{function} needs tensors of one dtype: tensor 0 is "
+                f"{first.dtype.base_dtype.name} but tensor {index} is {dtype}"
+            )
+        if not tensor.shape.is_compatible_with(first.shape):
+            raise ValueError(
+                f"{function} needs tensors of one shape: tensor 0 has shape {first.shape} "
+                f"but tensor {index} has shape {tensor.shape}"
+            )
+    return tensors
+
+
+def _apply_all_reduce(reduction: str, tensors: Sequence[Any]) -> List[Any]:
+    """``all_<reduction>`` of ``tensors``: NCCL or reduce-and-copy, as decided for their devices."""
+    if not tensors:
+        raise ValueError("Must pass >0 tensors to all reduce operations")
+    tensors = _checked(tensors, f"all_{reduction}")
+    decision = _decision(tensors)
+    if decision.nccl:
+        return getattr(_tf_nccl_ops(), f"all_{reduction}")(tensors)
+    tf = import_tf()
+    # Eagerly, ops run one by one: unlike NCCL's, these need no tf.function
+    # around them (TensorFlow's wraps and retraces a new one on every call).
+    with tf.name_scope(f"all_{reduction}"):
+        with tf.device(decision.reduce_on or tensors[0].device):
+            if reduction == "sum":
+                total = tf.add_n(tensors)
+            else:
+                reduce = {"prod": tf.reduce_prod, "min": tf.reduce_min, "max": tf.reduce_max}
+                total = _no_gradient(reduce[reduction](tf.stack(tensors), axis=0))
+        results = []
+        for tensor in tensors:
+            with tf.device(tensor.device):
+                results.append(tf.identity(total))
+    return results
+
+
+def _no_gradient(tensor: Any) -> Any:
+    """``tensor``, differentiating which raises ``LookupError`` as NCCL's non-sum reductions do."""
+    from tensorflow.python.ops import array_ops
+
+    return array_ops.prevent_gradient(tensor, message=NO_GRADIENT)
+
+
+def _is_empty(tensor: Any) -> bool:
+    """True when the static shape has a zero dimension (NCCL has nothing to do)."""
+    return tensor.shape.ndims is not None and 0 in tensor.shape.as_list()
+
+
+def _parse(name: str) -> Optional[Device]:
+    """The local device ``name`` names, or None (a remote or partial name)."""
+    try:
+        return parse_device(name)
+    except ValueError:
+        return None
+
+
+def _decision(tensors: Sequence[Any]) -> _Decision:
+    """The decision for the tensors' device set, made once per process and logged once."""
+    if any(_is_empty(t) for t in tensors):
+        return _Decision(False, "zero-sized tensors: there is nothing to reduce")
+    devices = [t.device for t in tensors]
+    setting = resolve_backend(None)
+    key = (tuple(sorted(str(_parse(name) or name) for name in devices)), setting)
+    with _lock:
+        decision = _decisions.get(key)
+        if decision is None:
+            decision = _decide(devices, setting, _smoke_check)
+            _decisions[key] = decision
+            _log(decision, key[0])
+    return decision
+
+
+def _decide(
+    devices: Sequence[str],
+    setting: Setting,
+    check: Callable[[Tuple[Device, ...]], CandidateResult],
+) -> _Decision:
+    """Pure: NCCL or reduce-and-copy for tensors on ``devices``, given the setting.
+
+    ``check(devices)`` runs NCCL's smoke check; it is called only when every
+    input is on its own GPU and the setting asks for NCCL first.
+    """
+    names = ",".join(setting.names)
+    fallbacks = [name for name in setting.names if name != NCCL]
+    reduce_on = CPU_DEVICE if fallbacks[:1] == ["reduce_to_cpu"] else None
+    if setting.names[0] != NCCL:
+        return _Decision(False, f"{ENV_BACKEND}={names} does not start with nccl", reduce_on)
+    if setting.mode == "forced":
+        return _Decision(True, f"forced by {ENV_BACKEND}=nccl (not smoke-checked)")
+    parsed = [_parse(name) for name in devices]
+    local = tuple(device for device in parsed if device is not None)
+    if len(local) < len(parsed):
+        remote = devices[parsed.index(None)]
+        return _Decision(False, f"NCCL needs local GPUs, and {remote} is not one", reduce_on)
+    if len(local) == 1:
+        return _Decision(False, "one tensor: there is nothing to all-reduce", reduce_on)
+    not_gpu = next((device for device in local if device.kind != "GPU"), None)
+    if not_gpu is not None:
+        reason = f"NCCL needs every tensor on a GPU, and one is on {not_gpu}"
+        return _Decision(False, reason, reduce_on)
+    if len(set(local)) < len(local):
+        reason = "NCCL needs each tensor on its own GPU, and two share one"
+        return _Decision(False, reason, reduce_on)
+    result = check(local)
+    if result.status == OK:
+        return _Decision(True, f"NCCL smoke check passed: {result.reason}", check=result)
+    reason = result.reason.strip().splitlines()[0] if result.reason.strip() else result.status
+    return _Decision(False, reason, reduce_on, result)
+
+
+def _smoke_check(devices: Tuple[Device, ...]) -> CandidateResult:
+    """NCCL's real smoke all-reduce on ``devices``, in a child process that may hang or die."""
+    prober = _probe.Prober(devices, resolve_timeout(None))
+    try:
+        return prober.check(NCCL, len(devices))
+    finally:
+        prober.close()
+
+
+def _log(decision: _Decision, devices: Sequence[str]) -> None:
+    where = ", ".join(devices)
+    if decision.nccl:
+        logger.info("nccl_ops on %s: using NCCL, %s", where, decision.reason)
+        return
+    target = decision.reduce_on or "the first input's device"
+    instead = f"reducing on {target} and copying back"
+    check = decision.check
+    if check is None:
+        logger.info("nccl_ops on %s: not using NCCL (%s); %s", where, decision.reason, instead)
+        return
+    logger.warning(
+        "NCCL %s on %s (%s); safestrategy.nccl_ops is %s instead. "
+        "Set %s=nccl to force NCCL, or reduce_to_cpu to reduce on the CPU.",
+        "timed out" if check.status == TIMEOUT else "failed its smoke check",
+        where,
+        decision.reason,
+        instead,
+        ENV_BACKEND,
+    )
