@@ -18,7 +18,7 @@ import pytest
 
 from safestrategy import nccl_ops
 from safestrategy._devices import parse_devices
-from safestrategy._env import Setting, resolve_backend
+from safestrategy._env import resolve_backend
 from safestrategy.report import FAILED, OK, CandidateResult
 
 SEED_ERROR = "No OpKernel was registered to support Op 'NcclAllReduce'"
@@ -58,6 +58,7 @@ def tf_nccl(tf):
 
 @pytest.fixture(params=["graph", "eager", "function"])
 def mode(request, tf):
+    """How ops run: graph mode in a Session everywhere; eagerly and in tf.function on TF2."""
     if request.param != "graph" and not tf.__version__.startswith("2."):
         pytest.skip(f"{request.param} mode needs TF2; this is TF {tf.__version__}")
     return request.param
@@ -118,8 +119,9 @@ def test_import_loads_no_tensorflow():
 def test_empty_list_raises_as_tensorflow(tf_nccl, name):
     with pytest.raises(ValueError) as theirs:
         getattr(tf_nccl, name)([])
-    with pytest.raises(ValueError, match=f"^{theirs.value}$"):
+    with pytest.raises(ValueError) as ours:
         getattr(nccl_ops, name)([])
+    assert str(ours.value) == str(theirs.value)
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
@@ -209,8 +211,9 @@ def test_reduce_sum_off_the_inputs_devices_raises_as_tensorflow(tf, tf_nccl):
         tensors = placed(tf, inputs(2))
         with pytest.raises(ValueError) as theirs:
             tf_nccl.reduce_sum(tensors)
-        with pytest.raises(ValueError, match=f"^{theirs.value}$"):
+        with pytest.raises(ValueError) as ours:
             nccl_ops.reduce_sum(tensors)
+    assert str(ours.value) == str(theirs.value)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -489,10 +492,13 @@ def test_cpu_devices_fall_back_quietly_without_probing(tf, monkeypatch, caplog):
 
 
 def test_real_smoke_check_fails_where_there_is_no_nccl(tf):
-    """The real child-process check, for GPUs this machine lacks: the seed error, not a hang."""
+    """The real child-process check, for GPUs this machine lacks: an error, not a hang.
+
+    Mostly the seed's error (the ops land on the CPU); TF 2.0 says it finds no GPU:0.
+    """
     result = nccl_ops._smoke_check(parse_devices(GPUS))
     assert result.status == FAILED
-    assert SEED_ERROR in result.reason or "GPU" in result.reason
+    assert result.reason.startswith("InvalidArgumentError: ")
 
 
 def test_setting_is_part_of_the_cache_key(tf, monkeypatch):
@@ -502,4 +508,3 @@ def test_setting_is_part_of_the_cache_key(tf, monkeypatch):
         monkeypatch.setenv("SAFESTRATEGY_BACKEND", "reduce_to_cpu")
         nccl_ops.all_sum(placed(tf, inputs(2)))
     assert sorted(key[1].names[0] for key in nccl_ops._decisions) == ["nccl", "reduce_to_cpu"]
-    assert all(isinstance(key[1], Setting) for key in nccl_ops._decisions)
