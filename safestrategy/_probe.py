@@ -48,22 +48,41 @@ def system() -> str:
     return platform.system()
 
 
-def is_wsl() -> bool:
-    """True on Linux under Windows Subsystem for Linux, where NCCL is often absent."""
+def _kernel_release() -> Optional[str]:
+    """Linux's kernel release string, or None where there is none to read."""
     try:
         with open("/proc/sys/kernel/osrelease") as release:
-            return "microsoft" in release.read().lower()
+            return release.read()
     except OSError:
+        return None
+
+
+def is_wsl() -> bool:
+    """True on Linux under Windows Subsystem for Linux, where NCCL is often absent."""
+    if system() != "Linux":
         return False
+    release = _kernel_release()
+    return release is not None and "microsoft" in release.lower()
+
+
+#: Windows exit statuses of a crashed process (NTSTATUS), as the probe process reports them.
+_NTSTATUS = {
+    0xC0000005: "access violation",
+    0xC000001D: "illegal instruction (a TensorFlow build for a newer CPU, e.g. AVX)",
+    0xC0000135: "a DLL was not found",
+    0xC0000409: "fail-fast abort",
+}
 
 
 def _exit_text(returncode: int) -> str:
-    if returncode < 0:
+    if returncode < 0:  # POSIX: killed by a signal
         try:
             return f"killed by signal {signal.Signals(-returncode).name} ({-returncode})"
         except ValueError:
             return f"killed by signal {-returncode}"
-    return f"exit status {returncode} ({returncode & 0xFFFFFFFF:#x})"
+    code = returncode & 0xFFFFFFFF
+    crash = _NTSTATUS.get(code)
+    return f"exit status {returncode} ({code:#x}{', ' + crash if crash else ''})"
 
 
 class Worker:
@@ -79,7 +98,11 @@ class Worker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            universal_newlines=True,
+            # Not the locale's codec (cp1252 on Windows, ASCII under LANG=C on 3.6): one
+            # undecodable byte from TensorFlow would end the reader thread, the pipe would
+            # fill, and a working candidate would time out.
+            encoding="utf-8",
+            errors="replace",
             env=env,
         )
         self.replies: queue.Queue[Optional[str]] = queue.Queue()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+FAKE_WORKER = str(Path(__file__).with_name("fake_worker.py"))
 LOGICAL_CPUS = 3
 
 HAS_TF = importlib.util.find_spec("tensorflow") is not None
@@ -31,6 +32,24 @@ def fresh_decisions():
     from safestrategy import factory
 
     factory._decisions.clear()
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """Use tests/fake_worker.py as the probe process; returns a function that sets
+    its behaviour (see that file) and returns the file its pid is written to."""
+    from safestrategy import _probe, _tf
+
+    monkeypatch.setattr(_probe, "WORKER_COMMAND", [sys.executable, FAKE_WORKER])
+    monkeypatch.setattr(_tf, "tf_version", lambda: "2.99.0")
+    pidfile = tmp_path / "pid"
+    monkeypatch.setenv("FAKE_WORKER_PIDFILE", str(pidfile))
+
+    def behave(behaviour):
+        monkeypatch.setenv("FAKE_WORKER", behaviour)
+        return pidfile
+
+    return behave
 
 
 @pytest.fixture(scope="session")

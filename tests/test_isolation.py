@@ -1,39 +1,20 @@
 """The probe process seam: hangs, crashes, wrong sums and dead starts, faked.
 
 A real broken NCCL cannot be had on a CPU, so ``probe.WORKER_COMMAND`` is
-pointed at tests/fake_worker.py, which speaks the worker protocol; everything
-on the parent's side (timeouts, killing, reaping, judging sums, restarting,
-reporting) is the real code.
+pointed at tests/fake_worker.py (the ``fake`` fixture in conftest.py), which
+speaks the worker protocol; everything on the parent's side (timeouts,
+killing, reaping, judging sums, restarting, reporting) is the real code.
 """
 
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import safestrategy
 from safestrategy import _probe as probe
-from safestrategy import _tf
 
-FAKE = str(Path(__file__).with_name("fake_worker.py"))
 GPUS = ["/gpu:0", "/gpu:1"]
-
-
-@pytest.fixture
-def fake(monkeypatch, tmp_path):
-    """Use the fake probe process; returns a function that sets its behaviour."""
-    monkeypatch.setattr(probe, "WORKER_COMMAND", [sys.executable, FAKE])
-    monkeypatch.setattr(_tf, "tf_version", lambda: "2.99.0")
-    pidfile = tmp_path / "pid"
-    monkeypatch.setenv("FAKE_WORKER_PIDFILE", str(pidfile))
-
-    def behave(behaviour):
-        monkeypatch.setenv("FAKE_WORKER", behaviour)
-        return pidfile
-
-    return behave
 
 
 def gone(pid):

@@ -1,0 +1,155 @@
+"""Windows behaviour, checked on every OS by faking the platform at its one seam.
+
+``safestrategy._probe.system()`` is the only place that asks which OS this is.
+What Windows does differently for us is covered by facts the code handles on
+every OS, each exercised here on Linux too (and for real on windows-latest in
+CI): there is no fork, so the probe process is a fresh interpreter started by
+``subprocess`` (never a fork, never multiprocessing's spawn that re-runs the
+caller's ``__main__``); interpreter and script paths have spaces; the locale
+codec is not UTF-8; a crash is an NTSTATUS exit code, not a signal.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import safestrategy
+from safestrategy import _probe
+
+from .conftest import FAKE_WORKER, ROOT, needs_tf
+
+GPUS = ["/gpu:0", "/gpu:1"]
+
+
+@pytest.fixture
+def windows(monkeypatch):
+    """Pretend to be Windows at the one seam; reading Linux's /proc would be a bug."""
+    monkeypatch.setattr(_probe, "system", lambda: "Windows")
+
+    def no_proc():
+        raise AssertionError("read /proc/sys/kernel/osrelease on Windows")
+
+    monkeypatch.setattr(_probe, "_kernel_release", no_proc)
+
+
+def test_the_report_says_windows_and_never_wsl(fake, windows):
+    fake("ok")
+    report = safestrategy.probe(GPUS)
+    assert (report.platform, report.wsl, report.backend) == ("Windows", False, "nccl")
+    assert "platform     Windows, Python" in str(report)
+    assert report.to_dict()["platform"] == "Windows"
+
+
+@pytest.mark.parametrize(
+    "system, release, wsl",
+    [
+        ("Linux", "5.15.153.1-microsoft-standard-WSL2\n", True),
+        ("Linux", "4.4.0-19041-Microsoft\n", True),  # WSL 1
+        ("Linux", "6.8.0-45-generic\n", False),
+        ("Linux", None, False),  # no /proc to read
+        ("Darwin", None, False),
+    ],
+)
+def test_wsl_is_linux_with_a_microsoft_kernel(fake, monkeypatch, system, release, wsl):
+    monkeypatch.setattr(_probe, "system", lambda: system)
+    monkeypatch.setattr(_probe, "_kernel_release", lambda: release)
+    fake("ok")
+    report = safestrategy.probe(GPUS)
+    assert (report.platform, report.wsl) == (system, wsl)
+    assert (f"{system} (WSL)" in str(report)) is wsl
+
+
+def test_the_probe_process_is_started_without_fork(fake, windows, monkeypatch):
+    for name in ("fork", "forkpty", "register_at_fork"):  # none of them exist on Windows
+        monkeypatch.delattr(os, name, raising=False)
+    fake("ok")
+    assert safestrategy.probe(GPUS).backend == "nccl"
+
+
+TRAIN_SCRIPT = """
+import sys
+with open("runs.txt", "a") as runs:  # no `if __name__ == "__main__":` guard, on purpose
+    runs.write("ran\\n")
+import safestrategy
+from safestrategy import _probe, _tf
+_probe.system = lambda: "Windows"
+if {fake!r}:
+    _probe.WORKER_COMMAND = [sys.executable, {fake!r}]
+    _tf.tf_version = lambda: "2.99.0"
+report = safestrategy.probe({devices!r}, backend={backend!r})
+print(report.backend, report.platform)
+"""
+
+
+def run_unguarded_script(tmp_path, fake, devices, backend):
+    """Run a training script without a main guard from a directory with spaces."""
+    folder = tmp_path / "my project (v2)"
+    folder.mkdir()
+    script = folder / "train.py"
+    script.write_text(TRAIN_SCRIPT.format(fake=fake, devices=devices, backend=backend))
+    path = [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+        cwd=str(folder),
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split(), (folder / "runs.txt").read_text().splitlines()
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_WORKER", "ok")
+    printed, runs = run_unguarded_script(tmp_path, FAKE_WORKER, GPUS, "nccl")
+    assert printed == ["nccl", "Windows"]
+    assert runs == ["ran"]  # multiprocessing's spawn would have run it once more per process
+
+
+@needs_tf
+def test_the_real_probe_process_starts_from_any_directory(tmp_path):
+    printed, runs = run_unguarded_script(tmp_path, "", ["/cpu:0", "/cpu:1"], "reduce_to_cpu")
+    assert printed == ["reduce_to_cpu", "Windows"]
+    assert runs == ["ran"]
+
+
+def test_a_worker_path_with_spaces_and_accents(fake, windows, monkeypatch, tmp_path):
+    folder = tmp_path / "Program Files" / "café worker"
+    folder.mkdir(parents=True)
+    script = folder / "fake worker.py"
+    shutil.copyfile(FAKE_WORKER, str(script))
+    monkeypatch.setattr(_probe, "WORKER_COMMAND", [sys.executable, str(script)])
+    fake("ok")
+    report = safestrategy.probe(["/gpu:0", "/gpu:1", "/gpu:2"])
+    assert report.devices == ("/device:GPU:0", "/device:GPU:1", "/device:GPU:2")
+    assert report.backend == "nccl"
+
+
+def test_output_in_another_codec_cannot_stall_the_probe(fake, windows):
+    # 256 KiB of undecodable stderr before the first answer: with the locale's codec
+    # the reader thread would die, the pipe fill up, and the start time out.
+    fake("noisy")
+    report = safestrategy.probe(GPUS, backend="nccl", timeout=30)
+    (result,) = report.candidates
+    assert (result.status, report.backend) == ("ok", "nccl")
+
+
+@pytest.mark.parametrize(
+    "returncode, text",
+    [
+        (3, "exit status 3 (0x3)"),  # abort() on Windows
+        (0xC0000005, "exit status 3221225477 (0xc0000005, access violation)"),
+        (0xC000001D, "(0xc000001d, illegal instruction (a TensorFlow build for a newer CPU"),
+        (0xC0000409, "(0xc0000409, fail-fast abort)"),
+        (-signal.SIGABRT, f"killed by signal SIGABRT ({int(signal.SIGABRT)})"),  # POSIX
+    ],
+)
+def test_crash_statuses_are_named(returncode, text):
+    assert text in _probe._exit_text(returncode)
