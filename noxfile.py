@@ -2,11 +2,14 @@
 
 ``nox`` runs lint and the default legs (what ``.ci/run`` runs); ``nox -s tf221``
 runs one leg; ``SAFESTRATEGY_FULL_MATRIX=1 nox`` runs every leg. After the
-legs, ``skips`` fails if a test was skipped on every leg that ran.
+legs, ``skips`` fails if a test was skipped on every leg that ran. The legs
+(Python, pins, TensorFlow) are the table in ``.ci/legs.py``, which GitHub
+Actions runs too; nox adds the interpreter and a fresh virtualenv per leg.
 """
 
 import glob
 import os
+import runpy
 import subprocess
 import sys
 
@@ -15,21 +18,10 @@ import nox
 nox.options.error_on_missing_interpreters = True
 nox.options.reuse_existing_virtualenvs = True
 
-# leg: (Python, pip/build-tool pins installed first, TensorFlow requirement(s))
-LEGS = {
-    "tf112": ("3.6", ["pip==21.3.1", "setuptools<60", "wheel<0.38"], ["tensorflow==1.12.3"]),
-    "tf113": ("3.7", [], ["tensorflow==1.13.2", "protobuf<3.21"]),
-    "tf115": ("3.7", [], ["tensorflow==1.15.5", "protobuf<3.21"]),
-    "tf200": ("3.7", [], ["tensorflow==2.0.4", "protobuf<3.21"]),
-    "tf244": ("3.8", [], ["tensorflow-cpu==2.4.4"]),
-    "tf210": ("3.8", [], ["tensorflow-cpu==2.10.1"]),
-    "tf213": ("3.11", [], ["tensorflow-cpu==2.13.1"]),
-    "tf216": ("3.11", [], ["tensorflow-cpu==2.16.2"]),
-    "tf221": ("3.11", [], ["tensorflow-cpu==2.21.0"]),
-}
-DEFAULT_LEGS = ["tf112", "tf115", "tf210", "tf221"]
+LEGS_SCRIPT = os.path.join(".ci", "legs.py")
+_legs = runpy.run_path(LEGS_SCRIPT)
+LEGS, DEFAULT_LEGS, REPORTS = _legs["LEGS"], _legs["DEFAULT_LEGS"], _legs["REPORTS"]
 FULL = os.environ.get("SAFESTRATEGY_FULL_MATRIX") == "1"
-REPORTS = os.path.join(".nox", "junit")
 
 
 def pyenv_python(version):
@@ -48,23 +40,17 @@ def pyenv_python(version):
     return found[-1] if found else version
 
 
-def make_leg(name, python, pins, requirements):
-    @nox.session(name=name, python=pyenv_python(python), venv_backend="venv")
-    def leg(session):
-        if pins:
-            session.install(*pins)
-        session.install(*requirements, ".[test]")
-        os.makedirs(REPORTS, exist_ok=True)
-        session.run(
-            "python", "-m", "pytest", f"--junitxml={REPORTS}/{name}.xml", *session.posargs
-        )
+def make_leg(name, leg):
+    @nox.session(name=name, python=pyenv_python(leg.python), venv_backend="venv")
+    def run_leg(session):
+        session.run("python", LEGS_SCRIPT, name, *session.posargs)
 
-    leg.__doc__ = f"Tests on {' '.join(requirements)} (Python {python})."
-    return leg
+    run_leg.__doc__ = f"Tests on {' '.join(leg.requirements)} (Python {leg.python})."
+    return run_leg
 
 
-for _name, (_python, _pins, _requirements) in LEGS.items():
-    make_leg(_name, _python, _pins, _requirements)
+for _name, _leg in LEGS.items():
+    make_leg(_name, _leg)
 
 
 @nox.session(venv_backend="none")
