@@ -60,18 +60,23 @@ def tf():
     import tensorflow as tf
 
     if tf.__version__.startswith("2."):
-        config = tf.config
-        lister = getattr(config, "list_physical_devices", None) or (
-            config.experimental.list_physical_devices
-        )
-        setter = getattr(config, "set_logical_device_configuration", None)
-        if setter is None:  # TF 2.0
-            setter = config.experimental.set_virtual_device_configuration
-            logical = config.experimental.VirtualDeviceConfiguration
-        else:
-            logical = config.LogicalDeviceConfiguration
-        setter(lister("CPU")[0], [logical() for _ in range(LOGICAL_CPUS)])
+        configure_logical_cpus(tf, LOGICAL_CPUS)
     return tf
+
+
+def configure_logical_cpus(tf, n):
+    """Split TF2's physical CPU into ``n`` logical ones, before the runtime starts."""
+    config = tf.config
+    lister = getattr(config, "list_physical_devices", None) or (
+        config.experimental.list_physical_devices
+    )
+    setter = getattr(config, "set_logical_device_configuration", None)
+    if setter is None:  # TF 2.0
+        setter = config.experimental.set_virtual_device_configuration
+        logical = config.experimental.VirtualDeviceConfiguration
+    else:
+        logical = config.LogicalDeviceConfiguration
+    setter(lister("CPU")[0], [logical() for _ in range(n)])
 
 
 @pytest.fixture(scope="session")

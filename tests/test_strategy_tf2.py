@@ -5,14 +5,17 @@ plain MirroredStrategy with NCCL dies exactly as on a GPU box without NCCL.
 """
 
 import logging
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+from packaging.version import Version
 
 import safestrategy
 from safestrategy import _probe
 
-from .conftest import cpus
+from .conftest import ROOT, cpus
 
 SEED_ERROR = "No OpKernel was registered to support Op 'NcclAllReduce'"
 
@@ -139,3 +142,44 @@ def test_one_device_needs_no_probe(tf2, monkeypatch):
     strategy = safestrategy.make_mirrored_strategy(["/cpu:0"])
     assert strategy.num_replicas_in_sync == 1
     assert {c.status for c in safestrategy.last_report().candidates} == {"not_tried"}
+
+
+BESIDE_YOUR_DEFAULT_STRATEGY = """
+import tensorflow as tf
+import safestrategy
+from safestrategy._worker import _eager_all_reduce
+from tests.conftest import configure_logical_cpus, cpus
+
+configure_logical_cpus(tf, 3)
+yours = tf.distribute.MirroredStrategy(cpus(2))  # TF's own default cross-device ops
+extended = yours.extended
+default = extended._cross_device_ops or getattr(extended, "_inferred_cross_device_ops", None)
+print("default", type(default).__name__)
+print("yours", _eager_all_reduce(tf, yours)[0][1][0])
+ours = safestrategy.make_mirrored_strategy(cpus(3))
+print("ours", safestrategy.last_report().backend, _eager_all_reduce(tf, ours)[0][1][0])
+print("yours", _eager_all_reduce(tf, yours)[0][1][0])
+"""
+
+
+def test_your_own_default_strategy_still_works_beside_ours(tf2):
+    # TF 2.13+ defaults to CollectiveAllReduce, and two such strategies of different
+    # sizes in one process fail with "InternalError ... group_key": the probe must
+    # never build a throw-away default strategy in the caller's process.
+    done = subprocess.run(
+        [sys.executable, "-c", BESIDE_YOUR_DEFAULT_STRATEGY],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+        cwd=str(ROOT),
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    collective = Version(tf2.__version__).release[:2] >= (2, 13)
+    default = "CollectiveAllReduce" if collective else "ReductionToOneDevice"
+    assert done.stdout.splitlines()[-4:] == [
+        f"default {default}",
+        "yours 3.0",
+        "ours reduce_to_cpu 6.0",
+        "yours 3.0",
+    ]
