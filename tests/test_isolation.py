@@ -1,6 +1,6 @@
 """The probe process seam: hangs, crashes, wrong sums and dead starts, faked.
 
-A real broken NCCL cannot be had on a CPU, so ``probe.WORKER_COMMAND`` is
+A real broken NCCL cannot be had on a CPU, so ``_probe.WORKER_COMMAND`` is
 pointed at tests/fake_worker.py (the ``fake`` fixture in conftest.py), which
 speaks the worker protocol; everything on the parent's side (timeouts,
 killing, reaping, judging sums, restarting, reporting) is the real code.
@@ -12,7 +12,6 @@ import time
 import pytest
 
 import safestrategy
-from safestrategy import _probe as probe
 
 GPUS = ["/gpu:0", "/gpu:1"]
 
@@ -81,9 +80,3 @@ def test_devices_default_to_what_the_probe_process_found(fake):
     assert report.backend == "nccl"
     assert report.nccl_kernels == 0
     assert report.tf_version == "2.99.0"
-
-
-def test_the_platform_probe_is_the_one_seam_for_windows(fake, monkeypatch):
-    fake("ok")
-    monkeypatch.setattr(probe, "system", lambda: "Windows")
-    assert safestrategy.probe(GPUS).platform == "Windows"
