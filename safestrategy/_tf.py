@@ -6,7 +6,7 @@ package metadata, and :func:`import_tf` imports it when it is really needed.
 """
 
 import sys
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from packaging.version import InvalidVersion, Version
 
@@ -71,6 +71,24 @@ def era(version: str) -> str:
     if release < Version("1.13"):
         return "contrib-tower"
     return "contrib-device" if release < Version("1.14") else "distribute"
+
+
+def list_physical_devices(tf: Any, kind: str) -> List[Any]:
+    """TF2's physical devices of ``kind``, without starting the runtime (2.0: experimental)."""
+    lister = getattr(tf.config, "list_physical_devices", None)
+    return (lister or tf.config.experimental.list_physical_devices)(kind)
+
+
+def configure_logical_cpus(tf: Any, n: int) -> None:
+    """Split TF2's physical CPU into ``n`` logical devices; only before the runtime starts."""
+    config = tf.config
+    setter = getattr(config, "set_logical_device_configuration", None)
+    if setter is None:  # TF 2.0
+        setter = config.experimental.set_virtual_device_configuration
+        logical = config.experimental.VirtualDeviceConfiguration
+    else:
+        logical = config.LogicalDeviceConfiguration
+    setter(list_physical_devices(tf, "CPU")[0], [logical() for _ in range(n)])
 
 
 def import_tf() -> Any:

@@ -17,7 +17,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._devices import Device, parse_devices
-from ._tf import era, import_tf
+from ._tf import configure_logical_cpus, era, import_tf, list_physical_devices
 from .backends import build_cross_device_ops, build_strategy
 
 #: Replica i contributes a vector filled with i + 1; the expected sum is n(n+1)/2.
@@ -29,28 +29,13 @@ def _first_line(error: BaseException) -> Tuple[str, str]:
     return type(error).__name__, text.splitlines()[0] if text else ""
 
 
-def _list_physical(tf: Any, kind: str) -> List[Any]:
-    config = tf.config
-    lister = (
-        getattr(config, "list_physical_devices", None) or config.experimental.list_physical_devices
-    )
-    return lister(kind)
-
-
 def _configure_tf2(tf: Any, cpus: int) -> int:
     """Logical CPUs as the device names need, GPU memory growth; returns the GPU count."""
-    config = tf.config
-    gpus = _list_physical(tf, "GPU")
+    gpus = list_physical_devices(tf, "GPU")
     for gpu in gpus:  # take only what the tiny all-reduce needs, and give it back on exit
-        config.experimental.set_memory_growth(gpu, True)
+        tf.config.experimental.set_memory_growth(gpu, True)
     if cpus > 1:
-        setter = getattr(config, "set_logical_device_configuration", None)
-        if setter is None:  # TF 2.0
-            setter = config.experimental.set_virtual_device_configuration
-            logical = config.experimental.VirtualDeviceConfiguration
-        else:
-            logical = config.LogicalDeviceConfiguration
-        setter(_list_physical(tf, "CPU")[0], [logical() for _ in range(cpus)])
+        configure_logical_cpus(tf, cpus)
     return len(gpus)
 
 

@@ -8,10 +8,14 @@ with :func:`session_config`.
 """
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from safestrategy._tf import configure_logical_cpus
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_WORKER = str(Path(__file__).with_name("fake_worker.py"))
@@ -64,21 +68,6 @@ def tf():
     return tf
 
 
-def configure_logical_cpus(tf, n):
-    """Split TF2's physical CPU into ``n`` logical ones, before the runtime starts."""
-    config = tf.config
-    lister = getattr(config, "list_physical_devices", None) or (
-        config.experimental.list_physical_devices
-    )
-    setter = getattr(config, "set_logical_device_configuration", None)
-    if setter is None:  # TF 2.0
-        setter = config.experimental.set_virtual_device_configuration
-        logical = config.experimental.VirtualDeviceConfiguration
-    else:
-        logical = config.LogicalDeviceConfiguration
-    setter(lister("CPU")[0], [logical() for _ in range(n)])
-
-
 @pytest.fixture(scope="session")
 def tf2(tf):
     """TensorFlow 2 (eager); skips on TF 1.x."""
@@ -100,23 +89,26 @@ def session_config(tf, n=LOGICAL_CPUS):
     return tf.ConfigProto(device_count={"CPU": n})
 
 
+def run_python(*args, env=None, cwd=ROOT, timeout=600):
+    """Run this interpreter with ``args`` (and ``env`` added) in a subprocess."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=str(cwd),
+    )
+
+
 @pytest.fixture
 def run_cli():
     """Run ``python -m safestrategy ARGS`` in a subprocess; returns CompletedProcess."""
-    import os
-    import subprocess
 
     def run(*args, env=None, timeout=600):
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        return subprocess.run(
-            [sys.executable, "-m", "safestrategy", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            universal_newlines=True,
-            env=full_env,
-            timeout=timeout,
-            cwd=str(ROOT),
-        )
+        return run_python("-m", "safestrategy", *args, env=env, timeout=timeout)
 
     return run

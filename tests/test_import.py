@@ -1,9 +1,6 @@
 """``import safestrategy`` is free: no TensorFlow, no devices, no environment changes."""
 
-import subprocess
-import sys
-
-from .conftest import ROOT
+from .conftest import run_python
 
 SCRIPT = """
 import os, sys
@@ -23,12 +20,6 @@ else:
 
 
 def test_import_touches_nothing_and_missing_tensorflow_says_how_to_install():
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        universal_newlines=True,
-        cwd=str(ROOT),
-    )
+    done = run_python("-c", SCRIPT)
     assert done.returncode == 0, done.stderr
     assert "pip install 'safestrategy[cpu]'" in done.stdout

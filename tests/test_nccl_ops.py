@@ -10,8 +10,6 @@ session runs, with the smoke check replaced where its outcome matters.
 
 import inspect
 import logging
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,6 +18,8 @@ from safestrategy import nccl_ops
 from safestrategy._devices import parse_devices
 from safestrategy._env import resolve_backend
 from safestrategy.report import FAILED, OK, CandidateResult
+
+from .conftest import run_python
 
 SEED_ERROR = "No OpKernel was registered to support Op 'NcclAllReduce'"
 FUNCTIONS = ("all_sum", "all_prod", "all_min", "all_max", "reduce_sum", "broadcast")
@@ -109,10 +109,8 @@ def test_public_names_are_tensorflows():
 
 def test_import_loads_no_tensorflow():
     code = "import sys, safestrategy.nccl_ops; print('tensorflow' in sys.modules)"
-    output = subprocess.run(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, universal_newlines=True, check=True
-    ).stdout
-    assert output.strip() == "False"
+    done = run_python("-c", code)
+    assert (done.returncode, done.stdout.strip()) == (0, "False"), done.stderr
 
 
 @pytest.mark.parametrize("name", FUNCTIONS[:5])

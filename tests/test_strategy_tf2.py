@@ -5,8 +5,6 @@ plain MirroredStrategy with NCCL dies exactly as on a GPU box without NCCL.
 """
 
 import logging
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from packaging.version import Version
 import safestrategy
 from safestrategy import _probe
 
-from .conftest import ROOT, cpus
+from .conftest import cpus, run_python
 
 SEED_ERROR = "No OpKernel was registered to support Op 'NcclAllReduce'"
 
@@ -148,7 +146,8 @@ BESIDE_YOUR_DEFAULT_STRATEGY = """
 import tensorflow as tf
 import safestrategy
 from safestrategy._worker import _eager_all_reduce
-from tests.conftest import configure_logical_cpus, cpus
+from safestrategy._tf import configure_logical_cpus
+from tests.conftest import cpus
 
 configure_logical_cpus(tf, 3)
 yours = tf.distribute.MirroredStrategy(cpus(2))  # TF's own default cross-device ops
@@ -166,14 +165,7 @@ def test_your_own_default_strategy_still_works_beside_ours(tf2):
     # TF 2.13+ defaults to CollectiveAllReduce, and two such strategies of different
     # sizes in one process fail with "InternalError ... group_key": the probe must
     # never build a throw-away default strategy in the caller's process.
-    done = subprocess.run(
-        [sys.executable, "-c", BESIDE_YOUR_DEFAULT_STRATEGY],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        universal_newlines=True,
-        cwd=str(ROOT),
-        timeout=600,
-    )
+    done = run_python("-c", BESIDE_YOUR_DEFAULT_STRATEGY)
     assert done.returncode == 0, done.stderr[-3000:]
     collective = Version(tf2.__version__).release[:2] >= (2, 13)
     default = "CollectiveAllReduce" if collective else "ReductionToOneDevice"

@@ -12,7 +12,6 @@ codec is not UTF-8; a crash is an NTSTATUS exit code, not a signal.
 import os
 import shutil
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -20,7 +19,7 @@ import pytest
 import safestrategy
 from safestrategy import _probe
 
-from .conftest import FAKE_WORKER, ROOT, needs_tf
+from .conftest import FAKE_WORKER, ROOT, needs_tf, run_python
 
 GPUS = ["/gpu:0", "/gpu:1"]
 
@@ -92,16 +91,8 @@ def run_unguarded_script(tmp_path, fake, devices, backend):
     script = folder / "train.py"
     script.write_text(TRAIN_SCRIPT.format(fake=fake, devices=devices, backend=backend))
     path = [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        universal_newlines=True,
-        cwd=str(folder),
-        env=env,
-        timeout=600,
-    )
+    env = {"PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    done = run_python(str(script), env=env, cwd=folder)
     assert done.returncode == 0, done.stderr
     return done.stdout.split(), (folder / "runs.txt").read_text().splitlines()
 
