@@ -25,7 +25,7 @@ FULL = os.environ.get("SAFESTRATEGY_FULL_MATRIX") == "1"
 
 
 def pyenv_python(version):
-    """The newest pyenv interpreter for ``version`` ("3.6"), or a clear error."""
+    """The newest pyenv interpreter for ``version`` ("3.6"); the bare version if none."""
     try:
         root = subprocess.run(
             ["pyenv", "root"], stdout=subprocess.PIPE, universal_newlines=True, check=True

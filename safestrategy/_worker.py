@@ -45,10 +45,10 @@ def _session_config(tf: Any, cpus: int) -> Any:
     return config
 
 
-def _gpu_count_tf1(tf: Any, cpus: int) -> int:
+def _gpu_count_tf1(session_config: Any) -> int:
     from tensorflow.python.client import device_lib
 
-    devices = device_lib.list_local_devices(_session_config(tf, cpus))
+    devices = device_lib.list_local_devices(session_config)
     return sum(1 for device in devices if device.device_type == "GPU")
 
 
@@ -124,8 +124,12 @@ class Checker:
         self.era = era(self.tf.__version__)
         self.eager = self.tf.__version__.startswith("2.")
         cpus = max([d.index + 1 for d in devices or () if d.kind == "CPU"] or [1])
-        self.session_config = None if self.eager else _session_config(self.tf, cpus)
-        gpus = _configure_tf2(self.tf, cpus) if self.eager else _gpu_count_tf1(self.tf, cpus)
+        if self.eager:
+            self.session_config = None
+            gpus = _configure_tf2(self.tf, cpus)
+        else:
+            self.session_config = _session_config(self.tf, cpus)
+            gpus = _gpu_count_tf1(self.session_config)
         default = [f"/device:GPU:{i}" for i in range(gpus)] or ["/device:CPU:0"]
         self.devices = [str(d) for d in devices] if devices else default
         self.facts = {
@@ -138,12 +142,13 @@ class Checker:
     def all_reduce(self, name: str) -> List[Tuple[str, List[float]]]:
         """Every replica's result of one sum all-reduce with backend ``name``."""
         if self.eager:
-            ops = build_cross_device_ops(self.tf, self.era, name)
-            return _eager_all_reduce(self.tf, build_strategy(self.tf, self.era, self.devices, ops))
-        with self.tf.Graph().as_default():
-            ops = build_cross_device_ops(self.tf, self.era, name)
-            strategy = build_strategy(self.tf, self.era, self.devices, ops)
-            return _graph_all_reduce(self.tf, self.era, strategy, self.session_config)
+            return _eager_all_reduce(self.tf, self._strategy(name))
+        with self.tf.Graph().as_default():  # TF1: the strategy's ops belong to this graph
+            return _graph_all_reduce(self.tf, self.era, self._strategy(name), self.session_config)
+
+    def _strategy(self, name: str) -> Any:
+        ops = build_cross_device_ops(self.tf, self.era, name)
+        return build_strategy(self.tf, self.era, self.devices, ops)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -10,7 +10,7 @@ from ._devices import Device, parse_devices
 from ._env import ENV_BACKEND, Setting, resolve_backend, resolve_timeout
 from .backends import build_cross_device_ops, build_strategy
 from .choose import Decision, decide, failure_message
-from .report import CandidateResult, Report
+from .report import FAILED, TIMEOUT, CandidateResult, Report
 
 logger = logging.getLogger("safestrategy")
 
@@ -106,11 +106,11 @@ def _decide(
 
 
 def _log(report: Report) -> None:
-    for failed in (r for r in report.candidates if r.status in ("failed", "timeout")):
+    for failed in (r for r in report.candidates if r.status in (FAILED, TIMEOUT)):
         logger.warning(
             "all-reduce backend %s %s on %s (%s); using %s instead. Set %s to override.",
             failed.name,
-            "timed out" if failed.status == "timeout" else "failed",
+            "timed out" if failed.status == TIMEOUT else "failed",
             ", ".join(report.devices),
             failed.reason,
             report.backend,
