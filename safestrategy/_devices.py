@@ -38,3 +38,45 @@ def parse_devices(names: Sequence[str]) -> Tuple[Device, ...]:
     if len(set(devices)) != len(devices):
         raise ValueError(f"devices {list(names)!r} name the same device twice")
     return devices
+
+
+class Visible(NamedTuple):
+    """The devices TensorFlow has in the caller's process (see ``_tf.visible_devices``)."""
+
+    devices: Tuple[Device, ...]
+    #: TF 1.x: every session chooses its CPU count (``device_count``), so any CPU index is real.
+    any_cpu: bool = False
+    #: TF 1.12/1.13 with CUDA: the GPUs cannot be listed without initialising them.
+    gpus_known: bool = True
+
+
+GPU_SETUP_CHECK = (
+    "python -c \"import tensorflow as tf; print(tf.config.list_physical_devices('GPU'))\""
+)
+
+
+def require_existing(requested: Sequence[Device], visible: Visible) -> None:
+    """``ValueError`` naming the requested devices TensorFlow does not have, and those it has."""
+    have = set(visible.devices)
+    missing = [
+        device
+        for device in requested
+        if device not in have
+        and not (device.kind == "CPU" and visible.any_cpu)
+        and not (device.kind == "GPU" and not visible.gpus_known)
+    ]
+    if not missing:
+        return
+    message = (
+        f"{'device' if len(missing) == 1 else 'devices'} {', '.join(map(str, missing))} "
+        f"{'does' if len(missing) == 1 else 'do'} not exist in this process; TensorFlow has "
+        f"{', '.join(map(str, visible.devices))}"
+    )
+    if any(device.kind == "GPU" for device in missing):
+        gpus = sum(1 for device in visible.devices if device.kind == "GPU")
+        message += (
+            f". TensorFlow sees {gpus} GPU{'' if gpus == 1 else 's'} here: check its GPU "
+            f"set-up with {GPU_SETUP_CHECK} (CUDA and cuDNN versions, drivers, "
+            "CUDA_VISIBLE_DEVICES)"
+        )
+    raise ValueError(message)

@@ -8,21 +8,31 @@ is valid, before anything touches a device.
 
 import math
 import os
-from typing import Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .backends import BACKEND_NAMES
 
 ENV_BACKEND = "SAFESTRATEGY_BACKEND"
 ENV_TIMEOUT = "SAFESTRATEGY_PROBE_TIMEOUT"
+ENV_CACHE = "SAFESTRATEGY_CACHE"
+ENV_CACHE_DIR = "SAFESTRATEGY_CACHE_DIR"
+ENV_NCCL_REMEDIES = "SAFESTRATEGY_NCCL_REMEDIES"
+ENV_COMMUNICATION = "SAFESTRATEGY_COMMUNICATION"
 
 #: Seconds one smoke check may take before it is abandoned.
 DEFAULT_TIMEOUT = 60.0
+#: The longest timeout accepted: a day (every platform can wait that long; a
+#: larger number is far more likely a typo than a plan).
+MAX_TIMEOUT = 86400.0
 
 AUTO = "auto"
 
+#: ``MultiWorkerMirroredStrategy`` communications, in ``auto`` order.
+COMMUNICATION_NAMES: Tuple[str, ...] = ("nccl", "ring")
+
 
 class Setting(NamedTuple):
-    """Which backends to try, in which order, and who asked for that."""
+    """Which candidates to try, in which order, and who asked for that."""
 
     mode: str  #: "auto", "list" or "forced"
     names: Tuple[str, ...]  #: the candidates, in the order to try them
@@ -33,25 +43,30 @@ def _source_text(source: str, variable: str) -> str:
     return "the argument" if source == "argument" else f"the environment variable {variable}"
 
 
-def parse_backend(value: str, source: str) -> Setting:
-    """Parse a backend setting: ``auto``, one name, or a comma-separated list."""
+def parse_choice(value: str, source: str, names: Sequence[str], variable: str) -> Setting:
+    """Parse ``auto``, one of ``names``, or a comma-separated list of them."""
     text = value.strip().lower()
     if text == AUTO:
-        return Setting(AUTO, BACKEND_NAMES, source)
-    names = tuple(item.strip() for item in text.split(","))
-    valid = (AUTO, *BACKEND_NAMES)
-    bad = [name for name in names if name not in BACKEND_NAMES]
-    duplicated = sorted({name for name in names if names.count(name) > 1})
-    if bad or duplicated:
-        where = _source_text(source, ENV_BACKEND)
-        problem = (
-            f"unknown backend {bad[0]!r}" if bad else f"backend {duplicated[0]!r} listed twice"
-        )
-        raise ValueError(
-            f"{problem} in {value!r} from {where}; valid values are {', '.join(valid)}, "
-            "or a comma-separated list of backend names (e.g. 'nccl,reduce_to_cpu')"
-        )
-    return Setting("forced" if len(names) == 1 else "list", names, source)
+        return Setting(AUTO, tuple(names), source)
+    items = tuple(item.strip() for item in text.split(","))
+    if AUTO in items:
+        problem = f"{AUTO!r} cannot be combined with other names"
+    elif any(item not in names for item in items):
+        problem = f"unknown name {next(i for i in items if i not in names)!r}"
+    elif len(set(items)) < len(items):
+        problem = f"{next(i for i in items if items.count(i) > 1)!r} listed twice"
+    else:
+        return Setting("forced" if len(items) == 1 else "list", items, source)
+    example = ",".join(names[-2:])
+    raise ValueError(
+        f"{problem} in {value!r} from {_source_text(source, variable)}; valid values are "
+        f"{', '.join((AUTO, *names))}, or a comma-separated list of names (e.g. {example!r})"
+    )
+
+
+def parse_backend(value: str, source: str) -> Setting:
+    """Parse a backend setting: ``auto``, one name, or a comma-separated list."""
+    return parse_choice(value, source, BACKEND_NAMES, ENV_BACKEND)
 
 
 def _from_env(environ: Mapping[str, str], variable: str) -> Optional[str]:
@@ -59,24 +74,41 @@ def _from_env(environ: Mapping[str, str], variable: str) -> Optional[str]:
     return value if value is not None and value.strip() else None
 
 
+def _resolve_choice(
+    argument: Optional[str],
+    environ: Optional[Mapping[str, str]],
+    names: Sequence[str],
+    variable: str,
+    what: str,
+) -> Setting:
+    environ = os.environ if environ is None else environ
+    if argument is not None:
+        if not isinstance(argument, str):
+            raise TypeError(f"{what} must be a str, not {type(argument).__name__}")
+        return parse_choice(argument, "argument", names, variable)
+    value = _from_env(environ, variable)
+    if value is not None:
+        return parse_choice(value, "env", names, variable)
+    return Setting(AUTO, tuple(names), "default")
+
+
 def resolve_backend(
     argument: Optional[str], environ: Optional[Mapping[str, str]] = None
 ) -> Setting:
     """The backend setting by precedence: argument, then environment, then auto."""
-    environ = os.environ if environ is None else environ
-    if argument is not None:
-        if not isinstance(argument, str):
-            raise TypeError(f"backend must be a str, not {type(argument).__name__}")
-        return parse_backend(argument, "argument")
-    value = _from_env(environ, ENV_BACKEND)
-    if value is not None:
-        return parse_backend(value, "env")
-    return Setting(AUTO, BACKEND_NAMES, "default")
+    return _resolve_choice(argument, environ, BACKEND_NAMES, ENV_BACKEND, "backend")
 
 
-def resolve_timeout(
-    argument: Optional[float], environ: Optional[Mapping[str, str]] = None
-) -> float:
+def resolve_communication(
+    argument: Optional[str], environ: Optional[Mapping[str, str]] = None
+) -> Setting:
+    """The multi-worker communication (nccl, ring) by the same rules as the backend."""
+    return _resolve_choice(
+        argument, environ, COMMUNICATION_NAMES, ENV_COMMUNICATION, "communication"
+    )
+
+
+def resolve_timeout(argument: Any, environ: Optional[Mapping[str, str]] = None) -> float:
     """Seconds each smoke check may take: argument, then environment, then 60."""
     environ = os.environ if environ is None else environ
     if argument is not None:
@@ -86,12 +118,40 @@ def resolve_timeout(
         if value is None:
             return DEFAULT_TIMEOUT
     try:
-        seconds = float(value)
+        seconds = math.nan if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
         seconds = math.nan
-    if not (seconds > 0 and math.isfinite(seconds)):
+    if not 0 < seconds <= MAX_TIMEOUT:  # also false for NaN
         raise ValueError(
             f"probe timeout {value!r} from {_source_text(source, ENV_TIMEOUT)} is not valid; "
-            "give a positive number of seconds, e.g. 60"
+            f"give a positive number of seconds up to {MAX_TIMEOUT:g}, e.g. 60"
         )
     return seconds
+
+
+def resolve_switch(
+    variable: str, argument: Optional[bool] = None, environ: Optional[Mapping[str, str]] = None
+) -> bool:
+    """An on/off setting (default on): the argument if given, else ``on`` or ``off``."""
+    if argument is not None:
+        return bool(argument)
+    value = _from_env(os.environ if environ is None else environ, variable)
+    if value is None:
+        return True
+    text = value.strip().lower()
+    if text not in ("on", "off"):
+        raise ValueError(
+            f"{value!r} from the environment variable {variable} is not valid; "
+            "valid values are on, off"
+        )
+    return text == "on"
+
+
+def cache_dir(environ: Optional[Mapping[str, str]] = None) -> str:
+    """Where verdicts are cached: ``SAFESTRATEGY_CACHE_DIR``, else the user cache directory."""
+    value = _from_env(os.environ if environ is None else environ, ENV_CACHE_DIR)
+    if value is not None:
+        return os.path.expanduser(value.strip())
+    import platformdirs  # here, not at import: only a probe that caches needs it
+
+    return platformdirs.user_cache_dir("safestrategy", appauthor=False)

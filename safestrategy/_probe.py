@@ -1,12 +1,19 @@
-"""Gathering facts and running smoke checks, isolated in a child process.
+"""The probe process: where a check that can hang or abort (NCCL) runs.
 
-Every smoke all-reduce runs in a fresh ``python -m safestrategy._worker``
-process (started with ``subprocess``: never forked, and no re-import of the
-caller's ``__main__`` as ``multiprocessing``'s spawn would do). A hanging NCCL
-is killed at the timeout, a crashing one is reported with its exit status, and
-the caller's process never initialises a GPU or builds a throw-away strategy.
-After a check fails with an error, a timeout or a crash, the next check gets a
-new process, so a poisoned CUDA context cannot fail an innocent candidate.
+A probe process is a fresh interpreter running :mod:`safestrategy._worker`,
+started with ``subprocess`` (never forked, and no re-import of the caller's
+``__main__`` as ``multiprocessing``'s spawn would do). It imports the very
+``safestrategy`` the caller imported, whatever the current directory or
+``PYTHONPATH`` holds. It talks in JSON lines marked with :data:`PREFIX`, so a
+banner that a ``sitecustomize`` or TensorFlow prints to stdout cannot break
+the conversation.
+
+It never outlives the caller: it dies with its parent (Linux:
+``PR_SET_PDEATHSIG``), and on every OS a watchdog in it exits when its stdin
+closes, which the OS does when the caller ends in any way. The caller kills
+and reaps it on every exit path of its own (timeout, error, Ctrl-C).
+Everything that goes wrong on the way becomes :class:`ProbeDied` or
+:class:`ProbeTimeout` with a reason, never a raw exception.
 """
 
 import collections
@@ -16,23 +23,33 @@ import logging
 import os
 import platform
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Deque, Dict, Optional, Sequence
+from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
-from ._devices import Device
-from .report import FAILED, OK, TIMEOUT, CandidateResult
+from ._allreduce import from_reply
+from .report import FAILED, TIMEOUT, CandidateResult
 
 logger = logging.getLogger("safestrategy")
 
-#: How the probe process is started. The one seam tests replace with a fake.
-WORKER_COMMAND = [sys.executable, "-m", "safestrategy._worker"]
+#: Marks the probe process's protocol lines on its stdout.
+PREFIX = "@safestrategy@ "
 
-#: Seconds the probe process may take to import TensorFlow and list devices.
+#: How the probe process is started; None: this interpreter running the bootstrap
+#: below. The one seam tests replace with a fake.
+WORKER_COMMAND: Optional[List[str]] = None
+
+#: Seconds the probe process may take to import TensorFlow and report its facts.
 STARTUP_TIMEOUT = 120.0
+
+_BOOTSTRAP = (
+    "import sys; sys.path.insert(0, {root!r}); "
+    "from safestrategy._worker import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 class ProbeTimeout(Exception):
@@ -40,7 +57,7 @@ class ProbeTimeout(Exception):
 
 
 class ProbeDied(Exception):
-    """The probe process exited or crashed before answering."""
+    """The probe process could not start, exited or crashed, or answered nonsense."""
 
 
 def system() -> str:
@@ -85,40 +102,86 @@ def _exit_text(returncode: int) -> str:
     return f"exit status {returncode} ({code:#x}{', ' + crash if crash else ''})"
 
 
-class Worker:
-    """One probe process and a line-based JSON conversation with it."""
+# TensorFlow's own log lines ("2026-01-01 10:00:00.123: W tensorflow/...", "E0000 00:00:...",
+# "WARNING: All log messages before absl::InitializeLog()..."): its start-up banner, rarely
+# why a process died.
+_TF_LOG = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] |[IWE]\d{4} |WARNING: All log)")
 
-    def __init__(self, devices: Optional[Sequence[Device]]) -> None:
-        env = dict(os.environ)
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
-        request = {"devices": None if devices is None else [str(d) for d in devices]}
-        self.process = subprocess.Popen(
-            [*WORKER_COMMAND, json.dumps(request)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            # Not the locale's codec (cp1252 on Windows, ASCII under LANG=C on 3.6): one
-            # undecodable byte from TensorFlow would end the reader thread, the pipe would
-            # fill, and a working candidate would time out.
-            encoding="utf-8",
-            errors="replace",
-            env=env,
+
+def useful_last_line(lines: Any) -> str:
+    """The line of a dying process's stderr most likely to say why: the last one that is
+    not TensorFlow's INFO/WARNING/ERROR chatter (a traceback's last line, a fatal "F"
+    log, "Check failed"), else the last non-blank one."""
+    lines = [line.strip() for line in lines if line.strip()]
+    return next((line for line in reversed(lines) if not _TF_LOG.match(line)), "") or (
+        lines[-1] if lines else ""
+    )
+
+
+def _command(request: Mapping[str, Any]) -> List[str]:
+    if WORKER_COMMAND is not None:
+        return [*WORKER_COMMAND, json.dumps(request)]
+    if getattr(sys, "frozen", False):
+        raise ProbeDied(
+            "could not start: this is a frozen application, whose executable cannot run "
+            "the probe process"
         )
-        self.replies: queue.Queue[Optional[str]] = queue.Queue()
-        self.stderr: Deque[str] = collections.deque(maxlen=20)
+    if not sys.executable:
+        raise ProbeDied("could not start: this interpreter does not know its executable")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [sys.executable, "-c", _BOOTSTRAP.format(root=root), json.dumps(request)]
+
+
+class ProbeProcess:
+    """One probe process and its line-based JSON conversation; a context manager that
+    kills and reaps it however the block ends."""
+
+    def __init__(self, request: Mapping[str, Any], env: Optional[Mapping[str, str]] = None):
+        full_env = dict(os.environ)
+        full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        full_env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+        full_env.update(env or {})
+        request = {**request, "parent": os.getpid()}
+        try:
+            self.process = subprocess.Popen(
+                _command(request),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                # Not the locale's codec (cp1252 on Windows, ASCII under LANG=C on 3.6): one
+                # undecodable byte from TensorFlow would end a reader thread, the pipe would
+                # fill, and a working candidate would time out.
+                encoding="utf-8",
+                errors="replace",
+                env=full_env,
+            )
+        except (OSError, ValueError) as error:
+            raise ProbeDied(f"could not start: {type(error).__name__}: {error}") from None
+        self.replies: queue.Queue = queue.Queue()
+        self.stderr: Deque[str] = collections.deque(maxlen=40)
         for target in (self._read_stdout, self._read_stderr):
             threading.Thread(target=target, daemon=True).start()
 
+    def __enter__(self) -> "ProbeProcess":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
     def _read_stdout(self) -> None:
-        for line in self.process.stdout:
-            self.replies.put(line)
+        with contextlib.suppress(OSError, ValueError):
+            for line in self.process.stdout:
+                if line.startswith(PREFIX):
+                    self.replies.put(line[len(PREFIX) :])
+                else:
+                    logger.debug("probe process (stdout): %s", line.rstrip())
         self.replies.put(None)
 
     def _read_stderr(self) -> None:
-        for line in self.process.stderr:
-            self.stderr.append(line.rstrip())
-            logger.debug("probe process: %s", line.rstrip())
+        with contextlib.suppress(OSError, ValueError):
+            for line in self.process.stderr:
+                self.stderr.append(line.rstrip())
+                logger.debug("probe process: %s", line.rstrip())
 
     def receive(self, timeout: float) -> Dict[str, Any]:
         """The next reply; ``ProbeTimeout`` or ``ProbeDied`` when there is none."""
@@ -130,97 +193,79 @@ class Worker:
                 f"no answer within {timeout:g} s; the probe process was killed"
             ) from None
         if line is None:
-            returncode = self.process.wait()
-            last = next((text for text in reversed(self.stderr) if text.strip()), "")
+            try:
+                returncode = self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # stdout closed, process still there
+                self.close()
+                returncode = self.process.returncode
+            last = useful_last_line(self.stderr)
             detail = f"; last output: {last}" if last else ""
             raise ProbeDied(f"the probe process died: {_exit_text(returncode)}{detail}")
-        return json.loads(line)
+        try:
+            reply = json.loads(line)
+            if not isinstance(reply, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as error:
+            self.close()
+            raise ProbeDied(
+                f"the probe process answered nonsense ({error}): {line[:200]!r}"
+            ) from None
+        return reply
 
-    def ask(self, message: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    def send(self, message: Mapping[str, Any]) -> None:
         try:
             self.process.stdin.write(json.dumps(message) + "\n")
             self.process.stdin.flush()
-        except OSError:
+        except (OSError, ValueError):
             pass  # it died; receive() reports how
+
+    def ask(self, message: Mapping[str, Any], timeout: float) -> Dict[str, Any]:
+        self.send(message)
         return self.receive(timeout)
 
     def close(self) -> None:
         """Kill the process if it still runs, and reap it."""
         if self.process.poll() is None:
-            self.process.kill()
+            with contextlib.suppress(OSError):
+                self.process.kill()
         self.process.wait()
         for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
                 stream.close()
 
 
-def wrong_sums(values: Sequence[Sequence[Any]], replicas: int) -> Optional[str]:
-    """Why the all-reduced ``[device, numbers]`` pairs are wrong, or None if all are right."""
-    expected = replicas * (replicas + 1) / 2
-    got = [numbers for _, numbers in values]
-    if len(got) == replicas and all(
-        numbers and all(abs(x - expected) < 1e-6 for x in numbers) for numbers in got
-    ):
-        return None
-    firsts = [numbers[0] if numbers else None for numbers in got]
-    return f"wrong sum: expected {expected:g} on each of {replicas} replicas, got {firsts}"
+def start(
+    request: Mapping[str, Any], timeout: float, env: Optional[Mapping[str, str]] = None
+) -> Tuple[ProbeProcess, Dict[str, Any]]:
+    """A started probe process and the facts it reported first.
+
+    Raises ``ProbeDied`` (with "could not start") when it cannot start, dies or
+    does not report within ``max(STARTUP_TIMEOUT, timeout)``; nothing is left running.
+    """
+    process = ProbeProcess(request, env)
+    try:
+        reply = process.receive(max(STARTUP_TIMEOUT, timeout))
+        if "facts" not in reply:
+            raise ProbeDied(f"the probe process answered nonsense: {reply!r}"[:300])
+    except (ProbeTimeout, ProbeDied) as error:
+        process.close()
+        raise ProbeDied(f"could not start: {error}") from None
+    except BaseException:
+        process.close()
+        raise
+    return process, reply["facts"]
 
 
-class Prober:
-    """Runs smoke checks for one device set, restarting the probe process as needed."""
+def check(process: ProbeProcess, name: str, replicas: int, timeout: float) -> CandidateResult:
+    """Ask a started probe process for backend ``name``'s smoke check, and judge the reply.
 
-    def __init__(self, devices: Optional[Sequence[Device]], timeout: float) -> None:
-        self.requested = devices
-        self.timeout = timeout
-        self.worker: Optional[Worker] = None
-        self.facts: Dict[str, Any] = {}
-
-    def _start(self) -> Worker:
-        worker = Worker(self.requested)
-        try:
-            self.facts = worker.receive(max(STARTUP_TIMEOUT, self.timeout))["facts"]
-        except (ProbeTimeout, ProbeDied) as error:
-            worker.close()
-            raise ProbeDied(f"could not start: {error}") from None
-        return worker
-
-    def start(self) -> Dict[str, Any]:
-        """Start the probe process and return its facts (raises ``ProbeDied``)."""
-        if self.worker is None:
-            self.worker = self._start()
-        return self.facts
-
-    def check(self, name: str, replicas: int) -> CandidateResult:
-        """Run backend ``name``'s smoke all-reduce and judge it.
-
-        ``seconds`` is the check alone, not the start of a fresh process.
-        """
-        status, reason, healthy = FAILED, "", False
-        started = time.monotonic()
-        try:
-            if self.worker is None:
-                self.worker = self._start()
-                started = time.monotonic()
-            reply = self.worker.ask({"check": name}, self.timeout)
-        except ProbeTimeout as error:
-            status, reason = TIMEOUT, str(error)
-        except ProbeDied as error:
-            reason = str(error)
-        else:
-            if "error" in reply:
-                reason = ": ".join(part for part in reply["error"] if part)
-            else:
-                healthy = True
-                reason = wrong_sums(reply["values"], replicas) or ""
-                if not reason:
-                    status = OK
-                    reason = f"all {replicas} replicas got the right sum"
-        if not healthy and self.worker is not None:
-            self.worker.close()
-            self.worker = None
-        return CandidateResult(name, status, reason, round(time.monotonic() - started, 3))
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None
+    A timeout or a death is that candidate's result (the process is then gone).
+    """
+    started = time.monotonic()
+    try:
+        reply = process.ask({"check": name}, timeout)
+    except ProbeTimeout as error:
+        return CandidateResult(name, TIMEOUT, str(error), timeout)
+    except ProbeDied as error:
+        return CandidateResult(name, FAILED, str(error), round(time.monotonic() - started, 3))
+    return from_reply(name, reply, replicas, time.monotonic() - started)

@@ -6,9 +6,11 @@ package metadata, and :func:`import_tf` imports it when it is really needed.
 """
 
 import sys
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
+
+from ._devices import Device, Visible, parse_device
 
 try:  # Python >= 3.8
     from importlib import metadata as _metadata
@@ -98,3 +100,82 @@ def import_tf() -> Any:
     except ImportError as error:
         raise ImportError(f"{INSTALL_HINT} ({error})") from error
     return tf
+
+
+def nccl_kernel_count(tf: Any) -> Optional[int]:
+    """How many NcclAllReduce kernels are registered: a count, never TF's truthy message.
+
+    Counted after TensorFlow's nccl ops module is loaded, which on TF 1.12/1.13
+    (contrib) is what registers the kernels. None when it cannot be read.
+    """
+    try:
+        if era(tf.__version__) == "distribute":
+            from tensorflow.python.ops import nccl_ops
+        else:
+            from tensorflow.contrib.nccl.python.ops import nccl_ops  # noqa: F401
+        from tensorflow.python.framework import kernels
+
+        return len(kernels.get_registered_kernels_for_op("NcclAllReduce").kernel)
+    except Exception:
+        return None
+
+
+def _parsed(names: List[str]) -> Tuple[Device, ...]:
+    return tuple(parse_device(name) for name in names)
+
+
+def visible_devices(tf: Any) -> Visible:
+    """TF2: the logical devices (this starts TF's runtime, as any strategy does).
+
+    TF 1.x: the physical GPUs where TF can list them without creating devices
+    (1.14+); CPUs are per session. Nothing here fixes GPU memory options.
+    """
+    if tf.__version__.startswith("2."):
+        lister = getattr(tf.config, "list_logical_devices", None)
+        lister = lister or tf.config.experimental.list_logical_devices  # TF 2.0
+        return Visible(_parsed([d.name for d in lister() if d.device_type in ("CPU", "GPU")]))
+    cpu = (Device("CPU", 0),)
+    experimental = getattr(getattr(tf, "config", None), "experimental", None)
+    if hasattr(experimental, "list_physical_devices"):
+        gpus = experimental.list_physical_devices("GPU")
+        return Visible(cpu + tuple(Device("GPU", i) for i in range(len(gpus))), any_cpu=True)
+    if not tf.test.is_built_with_cuda():
+        return Visible(cpu, any_cpu=True)
+    return Visible(cpu, any_cpu=True, gpus_known=False)
+
+
+def default_devices(tf: Any, visible: Visible) -> Tuple[Device, ...]:
+    """What ``MirroredStrategy()`` mirrors over by default: every GPU, else the CPU.
+
+    Where the GPUs are not known (TF 1.12/1.13), they are counted as TF's own
+    ``MirroredStrategy()`` counts them, through its eager context.
+    """
+    if visible.gpus_known:
+        gpus = tuple(d for d in visible.devices if d.kind == "GPU")
+    else:
+        from tensorflow.python.eager import context
+
+        gpus = tuple(Device("GPU", i) for i in range(context.num_gpus()))
+    return gpus or (Device("CPU", 0),)
+
+
+def build_info(tf: Any) -> Dict[str, Any]:
+    """What TensorFlow was built with (CUDA, cuDNN) where it says; empty where it cannot."""
+    try:
+        info = dict(tf.sysconfig.get_build_info())  # TF 2.3+
+    except Exception:
+        try:
+            return {"is_cuda_build": bool(tf.test.is_built_with_cuda())}
+        except Exception:
+            return {}
+    return {key: str(value) for key, value in sorted(info.items())}
+
+
+def gpu_names(tf: Any) -> Optional[List[str]]:
+    """The physical GPUs' model names (TF 2.3+), without starting the runtime; else None."""
+    try:
+        details = tf.config.experimental.get_device_details
+        gpus = list_physical_devices(tf, "GPU")
+        return [str(details(gpu).get("device_name")) for gpu in gpus]
+    except Exception:
+        return None

@@ -7,7 +7,7 @@ as a function, so every path can be tested from hand-built inputs.
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ._devices import Device
-from ._env import Setting
+from ._env import ENV_BACKEND, Setting
 from .backends import get_backend
 from .report import NOT_TRIED, OK, SKIPPED, CandidateResult
 
@@ -88,12 +88,21 @@ def _why(setting: Setting, chosen: Optional[str], results: Sequence[CandidateRes
     return f"first candidate that {passed}"
 
 
-def failure_message(devices: Sequence[Device], results: Sequence[CandidateResult]) -> str:
+def override_hint(setting: Setting) -> str:
+    """How the caller chooses another backend, given who chose this time."""
+    if setting.source == "argument":
+        return "pass another backend= (e.g. backend='reduce_to_cpu')"
+    return f"set {ENV_BACKEND} (e.g. {ENV_BACKEND}=reduce_to_cpu) or pass backend="
+
+
+def failure_message(
+    devices: Sequence[Device], results: Sequence[CandidateResult], setting: Setting
+) -> str:
     """The ``NoWorkingBackendError`` message: every candidate and why it failed."""
     lines = [f"no all-reduce backend works on {', '.join(map(str, devices))}:"]
     lines.extend(f"  {r.name}: {r.status}: {r.reason}" for r in results)
     lines.append(
-        "Set SAFESTRATEGY_BACKEND to choose another (e.g. reduce_to_cpu), or pass "
-        "devices= with fewer or other devices; run `python -m safestrategy` for the full report."
+        f"To choose another, {override_hint(setting)}; or pass devices= with fewer or other "
+        "devices. Run `python -m safestrategy` for the full report."
     )
     return "\n".join(lines)

@@ -8,9 +8,16 @@ import argparse
 import sys
 from typing import List, Optional
 
-from ._env import DEFAULT_TIMEOUT, ENV_BACKEND, ENV_TIMEOUT
+from ._env import (
+    DEFAULT_TIMEOUT,
+    ENV_BACKEND,
+    ENV_CACHE,
+    ENV_CACHE_DIR,
+    ENV_NCCL_REMEDIES,
+    ENV_TIMEOUT,
+)
 from .backends import BACKENDS
-from .factory import NoWorkingBackendError, _decide, _request
+from .factory import NoWorkingBackendError, _request, decide
 from .report import CandidateResult
 
 
@@ -22,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
         "each candidate is run for real and its sums checked.",
         epilog=f"backends, in auto order:\n{backends}\n\n"
         f"environment: {ENV_BACKEND} (same values as --backend), "
-        f"{ENV_TIMEOUT} (seconds, default {DEFAULT_TIMEOUT:g})",
+        f"{ENV_TIMEOUT} (seconds, default {DEFAULT_TIMEOUT:g}), "
+        f"{ENV_CACHE} (on/off), {ENV_CACHE_DIR}, {ENV_NCCL_REMEDIES} (on/off)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
@@ -33,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
         "--devices", nargs="+", metavar="D", help="devices to check (default: all GPUs, else CPU)"
     )
     parser.add_argument("--timeout", type=float, metavar="S", help="seconds per smoke check")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--refresh", action="store_true", help="ignore cached NCCL verdicts: check again, rewrite"
+    )
+    cache.add_argument(
+        "--no-cache", action="store_true", help="neither read nor write cached NCCL verdicts"
+    )
     return parser
 
 
@@ -42,11 +57,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     def progress(result: CandidateResult) -> None:
         print(result.line(), flush=True)
 
-    if not args.json:
-        print("checking all-reduce backends (each runs in a child process)...", flush=True)
     try:
-        request = _request(args.devices, args.backend, args.timeout)
-        report = _decide(request, None if args.json else progress)
+        request = _request(
+            args.devices, args.backend, args.timeout, False if args.no_cache else None, args.refresh
+        )
+        if not args.json:
+            print("checking all-reduce backends (NCCL in a probe process)...", flush=True)
+        report = decide(request, None if args.json else progress)[0]
         status = 0
     except ValueError as error:
         print(f"safestrategy: error: {error}", file=sys.stderr)

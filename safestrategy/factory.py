@@ -1,29 +1,43 @@
-"""make_mirrored_strategy() and probe(): settings in, smoke checks, decision, report out."""
+"""make_mirrored_strategy() and probe(): settings in, smoke checks, decision, report out.
 
+Where each check runs: NCCL through :mod:`safestrategy._nccl` (kernel count,
+cache, probe process); every other backend here, in the caller's process, on
+the caller's own devices, except on TF 1.x GPU device sets, where a
+``tf.Session`` would fix the process-wide GPU options before the caller's own
+session could, so they run in one probe process too.
+"""
+
+import inspect
 import logging
 import platform as _platform
 import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from . import _probe, _tf
-from ._devices import Device, parse_devices
-from ._env import ENV_BACKEND, Setting, resolve_backend, resolve_timeout
-from .backends import build_cross_device_ops, build_strategy
-from .choose import Decision, decide, failure_message
-from .report import FAILED, TIMEOUT, CandidateResult, Report
+from . import _nccl, _probe, _tf, choose
+from ._allreduce import session_config, smoke_check
+from ._devices import Device, parse_devices, require_existing
+from ._env import Setting, resolve_backend
+from .backends import build_cross_device_ops, build_strategy, get_backend
+from .choose import Decision, failure_message, override_hint
+from .report import FAILED, OK, TIMEOUT, CandidateResult, Report
 
 logger = logging.getLogger("safestrategy")
 
+NO_GPU = "no GPU among the devices"
+
 _last_report: Optional[Report] = None
-# Decisions that found a backend, by (devices, mode, names, timeout): probing costs seconds.
-_decisions: Dict[Any, Tuple[Dict[str, Any], Tuple[Device, ...], Decision]] = {}
+# Decisions that found a backend, by request: a process decides once per device set.
+_decisions: Dict[Any, Tuple[Tuple[Device, ...], Decision, Optional[int]]] = {}
 _lock = threading.Lock()
 
 
 class NoWorkingBackendError(RuntimeError):
-    """No candidate backend passed its smoke check; ``report`` says why for each."""
+    """No candidate backend passed its smoke check; ``report`` says why for each.
 
-    def __init__(self, message: str, report: Report) -> None:
+    (``report`` is None when ``safestrategy.nccl_ops`` raises it: there is no strategy.)
+    """
+
+    def __init__(self, message: str, report: Optional[Report]) -> None:
         super().__init__(message)
         self.report = report
 
@@ -33,90 +47,152 @@ class _Request(NamedTuple):
 
     devices: Optional[Tuple[Device, ...]]
     setting: Setting
-    timeout: float
+    nccl: _nccl.Options
 
 
 def _request(
-    devices: Optional[Sequence[str]], backend: Optional[str], timeout: Optional[float]
+    devices: Optional[Sequence[str]],
+    backend: Optional[str],
+    timeout: Optional[float],
+    cache: Optional[bool] = None,
+    refresh: bool = False,
 ) -> _Request:
     """Validate every input (``ValueError``) before anything touches a device."""
     return _Request(
         parse_devices(devices) if devices is not None else None,
         resolve_backend(backend),
-        resolve_timeout(timeout),
+        _nccl.options(timeout, cache, refresh),
     )
 
 
-def _probe_devices(
-    request: _Request, on_result: Optional[Callable[[CandidateResult], None]]
-) -> Tuple[Dict[str, Any], Tuple[Device, ...], Decision]:
-    """Start the probe process if needed, walk the candidates: (facts, devices, decision)."""
-    requested = request.devices
-    prober = _probe.Prober(requested, request.timeout)
-    try:
-        facts = prober.start() if requested is None or len(requested) > 1 else {}
-        devices = requested or parse_devices(facts["devices"])
+class _Checks:
+    """Runs one candidate's smoke check at a time for one device set, each where it belongs."""
+
+    def __init__(self, tf: Any, devices: Tuple[Device, ...], opts: _nccl.Options) -> None:
+        self.tf, self.devices, self.opts = tf, devices, opts
+        self.era = _tf.era(tf.__version__)
+        self.names = [str(device) for device in devices]
+        self.gpu = any(device.kind == "GPU" for device in devices)
+        self.config = None
+        if not tf.__version__.startswith("2."):
+            cpus = max([d.index + 1 for d in devices if d.kind == "CPU"] or [1])
+            self.config = session_config(tf, cpus, gpus=False)
+        self.process: Optional[_probe.ProbeProcess] = None
+
+    def __call__(self, name: str) -> CandidateResult:
+        if name == _nccl.NCCL:
+            return _nccl.verdict(self.tf, self.devices, self.opts)
+        if get_backend(name).needs_gpu and not self.gpu:
+            return CandidateResult(name, FAILED, NO_GPU)
+        if self.config is not None and self.gpu:
+            return self._in_probe_process(name)
+        return smoke_check(self.tf, self.era, self.names, name, self.config)
+
+    def _in_probe_process(self, name: str) -> CandidateResult:
+        if self.process is None:
+            try:
+                self.process, _ = _probe.start(
+                    {"job": "mirrored", "devices": self.names}, self.opts.timeout
+                )
+            except _probe.ProbeDied as error:
+                return CandidateResult(name, FAILED, f"the probe process {error}")
+        result = _probe.check(self.process, name, len(self.devices), self.opts.timeout)
+        if result.status != OK:  # a fresh process for the next: CUDA may be poisoned
+            self.close()
+        return result
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.process = None
+
+
+def _devices_for(tf: Any, requested: Optional[Tuple[Device, ...]]) -> Tuple[Device, ...]:
+    """The devices to mirror over, every one of them real in this process (``ValueError``)."""
+    visible = _tf.visible_devices(tf)
+    if requested is None:
+        return _tf.default_devices(tf, visible)
+    require_existing(requested, visible)
+    return requested
+
+
+def decide(
+    request: _Request, on_result: Optional[Callable[[CandidateResult], None]] = None
+) -> Tuple[Report, bool]:
+    """The report for ``request``, and whether it was decided afresh (False: remembered).
+
+    The engine behind :func:`probe`, :func:`make_mirrored_strategy` and the CLI;
+    internal (its request comes from ``_request``). Raises ``NoWorkingBackendError``.
+    """
+    if _tf.tf_version() is None:
+        raise ImportError(_tf.INSTALL_HINT)
+    tf = _tf.import_tf()
+    devices = _devices_for(tf, request.devices)
+    setting = request.setting
+    key = (devices, setting.mode, setting.names, request.nccl._replace(refresh=False))
+    with _lock:
+        remembered = None if request.nccl.refresh else _decisions.get(key)
+    if remembered is None:
+        checks = _Checks(tf, devices, request.nccl)
 
         def check(name: str) -> CandidateResult:
-            result = prober.check(name, len(devices))
+            result = checks(name)
             logger.debug("smoke check %s: %s %s", name, result.status, result.reason)
             if on_result is not None:
                 on_result(result)
             return result
 
-        return facts, devices, decide(request.setting, devices, check)
-    except _probe.ProbeDied as error:
-        raise RuntimeError(f"safestrategy's probe process {error}") from None
-    finally:
-        prober.close()
-
-
-def _decide(
-    request: _Request, on_result: Optional[Callable[[CandidateResult], None]] = None
-) -> Report:
-    """The report for ``request``: probed once per device set and setting per process."""
-    version = _tf.tf_version()
-    if version is None:
-        raise ImportError(_tf.INSTALL_HINT)
-    setting = request.setting
-    key = (request.devices, setting.mode, setting.names, request.timeout)
-    with _lock:
-        cached = _decisions.get(key)
-    facts, devices, decision = cached or _probe_devices(request, on_result)
-    version = facts.get("tf_version", version)
+        try:
+            decision = choose.decide(setting, devices, check)
+        finally:
+            checks.close()
+        kernels = _tf.nccl_kernel_count(tf)
+    else:
+        devices, decision, kernels = remembered
     report = Report(
         backend=decision.backend or "none",
         source=setting.source,
         mode=setting.mode,
         devices=tuple(str(d) for d in devices),
         platform=_probe.system(),
-        tf_version=version,
-        tf_api=_tf.tf_api(version),
+        tf_version=tf.__version__,
+        tf_api=_tf.tf_api(tf.__version__),
         candidates=decision.results,
         reason=decision.reason,
         wsl=_probe.is_wsl(),
-        nccl_kernels=facts.get("nccl_kernels"),
+        nccl_kernels=kernels,
         python=_platform.python_version(),
     )
     if decision.backend is None:
-        raise NoWorkingBackendError(failure_message(devices, decision.results), report)
+        raise NoWorkingBackendError(failure_message(devices, decision.results, setting), report)
     with _lock:
-        _decisions[key] = facts, devices, decision
-    return report
+        _decisions[key] = devices, decision, kernels
+    return report, remembered is None
 
 
-def _log(report: Report) -> None:
+def _log(report: Report, setting: Setting, fresh: bool) -> None:
+    """One WARNING per fallback when freshly decided; DEBUG when remembered."""
+    level = logging.WARNING if fresh else logging.DEBUG
     for failed in (r for r in report.candidates if r.status in (FAILED, TIMEOUT)):
-        logger.warning(
-            "all-reduce backend %s %s on %s (%s); using %s instead. Set %s to override.",
+        cached = (
+            " (a verdict cached from an earlier run: `python -m safestrategy --refresh` "
+            "checks again)"
+            if failed.cached
+            else ""
+        )
+        logger.log(
+            level,
+            "all-reduce backend %s %s on %s (%s)%s; using %s instead. To choose yourself, %s.",
             failed.name,
             "timed out" if failed.status == TIMEOUT else "failed",
             ", ".join(report.devices),
-            failed.reason,
+            failed.reason.strip().splitlines()[0] if failed.reason.strip() else "",
+            cached,
             report.backend,
-            ENV_BACKEND,
+            override_hint(setting),
         )
-    logger.info(
+    logger.log(
+        logging.INFO if fresh else logging.DEBUG,
         "using all-reduce backend %s on %s: %s",
         report.backend,
         ", ".join(report.devices),
@@ -134,14 +210,31 @@ def probe(
 
     Runs the same smoke checks as :func:`make_mirrored_strategy` and returns
     the :class:`Report`; raises :class:`NoWorkingBackendError` (with
-    ``.report``) when no candidate works and ``ValueError`` for bad settings.
+    ``.report``) when no candidate works and ``ValueError`` for bad settings
+    or devices TensorFlow does not have.
     """
-    return _decide(_request(devices, backend, timeout))
+    return decide(_request(devices, backend, timeout))[0]
 
 
 def last_report() -> Optional[Report]:
     """The report of the last :func:`make_mirrored_strategy` call, or None."""
     return _last_report
+
+
+def _check_kwargs(tf: Any, era: str, kwargs: Dict[str, Any]) -> None:
+    """``TypeError`` for keyword arguments MirroredStrategy does not take, before probing."""
+    cls = tf.contrib.distribute.MirroredStrategy if era == "contrib-tower" else None
+    cls = cls or tf.distribute.MirroredStrategy
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(kwargs) - set(parameters) - {"self"})
+    if unknown:
+        takes = ", ".join(name for name in parameters if name != "self")
+        raise TypeError(
+            f"make_mirrored_strategy() got unexpected keyword argument(s) {', '.join(unknown)}:"
+            f" this TensorFlow's MirroredStrategy takes {takes}"
+        )
 
 
 def make_mirrored_strategy(
@@ -163,12 +256,16 @@ def make_mirrored_strategy(
     request = None if own_ops is not None else _request(devices, backend, None)
     tf = _tf.import_tf()
     era = _tf.era(tf.__version__)
+    _check_kwargs(tf, era, kwargs)
     if request is None:
         strategy = build_strategy(tf, era, devices, **kwargs)
         report = _own_ops_report(tf.__version__, strategy, own_ops)
     else:
-        report = _decide(request)
-        _log(report)
+        report, fresh = decide(request)
+        _log(report, request.setting, fresh)
+        chosen = next((c for c in report.candidates if c.name == report.backend), None)
+        if chosen is not None and chosen.remedy:
+            _nccl.apply_remedy(chosen.remedy, report.devices)
         ops = build_cross_device_ops(tf, era, report.backend)
         strategy = build_strategy(tf, era, list(report.devices), ops, **kwargs)
     with _lock:

@@ -21,11 +21,16 @@ per process:
   logged once as a WARNING on the ``safestrategy`` logger; inputs on CPUs,
   shared GPUs or a single device cannot use NCCL, which is logged at INFO.
 
-``SAFESTRATEGY_BACKEND`` steers the choice: ``nccl`` alone means always NCCL,
-unchecked (TensorFlow's behaviour); a value that does not start with ``nccl``
-means never NCCL, and one whose first non-NCCL name is ``reduce_to_cpu``
-reduces on ``/device:CPU:0`` instead of the first input's device. ``auto``
-(the default) and lists starting with ``nccl`` use the smoke check.
+``SAFESTRATEGY_BACKEND`` steers the choice as it steers the factory's:
+``auto`` (the default) and lists starting with ``nccl`` use NCCL where its
+check passes; ``nccl`` alone forces it, still checked: where it cannot work
+the call raises ``NoWorkingBackendError`` instead of failing inside
+TensorFlow; a value that does not start with ``nccl`` means never NCCL, and
+one whose first non-NCCL name is ``reduce_to_cpu`` reduces on
+``/device:CPU:0`` instead of the first input's device. NCCL's verdict comes
+from the same mechanism as the factory's (kernel count, on-disk cache, probe
+process, remedies such as ``NCCL_P2P_DISABLE=1``, which is then set in
+``os.environ``).
 
 Where TensorFlow's would crash or hang at run time, these raise at once:
 mixed dtypes or shapes are a ``ValueError``. Zero-sized tensors, which NCCL
@@ -44,18 +49,19 @@ import logging
 import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from . import _probe
+from . import _nccl
 from ._devices import Device, parse_device
-from ._env import ENV_BACKEND, Setting, resolve_backend, resolve_timeout
+from ._env import ENV_BACKEND, Setting, resolve_backend
 from ._tf import import_tf
 from .backends import CPU_DEVICE
+from .factory import NoWorkingBackendError
 from .report import OK, TIMEOUT, CandidateResult
 
 __all__ = ["all_max", "all_min", "all_prod", "all_sum", "broadcast", "reduce_sum"]
 
 logger = logging.getLogger("safestrategy")
 
-NCCL = "nccl"
+NCCL = _nccl.NCCL
 
 #: The dtypes TensorFlow's Nccl* ops accept (their ``T`` attribute; the same in TF 1.12-2.21).
 NCCL_DTYPES = ("float16", "float32", "float64", "int32", "int64")
@@ -255,43 +261,47 @@ def _decide(
     """Pure: NCCL or reduce-and-copy for tensors on ``devices``, given the setting.
 
     ``check(devices)`` runs NCCL's smoke check; it is called only when every
-    input is on its own GPU and the setting asks for NCCL first.
+    input is on its own GPU and the setting asks for NCCL first. A forced
+    ``nccl`` that cannot work raises ``NoWorkingBackendError``.
     """
     names = ",".join(setting.names)
     fallbacks = [name for name in setting.names if name != NCCL]
     reduce_on = CPU_DEVICE if fallbacks[:1] == ["reduce_to_cpu"] else None
     if setting.names[0] != NCCL:
         return _Decision(False, f"{ENV_BACKEND}={names} does not start with nccl", reduce_on)
-    if setting.mode == "forced":
-        return _Decision(True, f"forced by {ENV_BACKEND}=nccl (not smoke-checked)")
     parsed = [_parse(name) for name in devices]
     local = tuple(device for device in parsed if device is not None)
-    if len(local) < len(parsed):
-        remote = devices[parsed.index(None)]
-        return _Decision(False, f"NCCL needs local GPUs, and {remote} is not one", reduce_on)
-    if len(local) == 1:
+    if len(local) == 1 and len(parsed) == 1:
         return _Decision(False, "one tensor: there is nothing to all-reduce", reduce_on)
+    result = None
     not_gpu = next((device for device in local if device.kind != "GPU"), None)
-    if not_gpu is not None:
+    if len(local) < len(parsed):
+        reason = f"NCCL needs local GPUs, and {devices[parsed.index(None)]} is not one"
+    elif not_gpu is not None:
         reason = f"NCCL needs every tensor on a GPU, and one is on {not_gpu}"
-        return _Decision(False, reason, reduce_on)
-    if len(set(local)) < len(local):
+    elif len(set(local)) < len(local):
         reason = "NCCL needs each tensor on its own GPU, and two share one"
-        return _Decision(False, reason, reduce_on)
-    result = check(local)
-    if result.status == OK:
-        return _Decision(True, f"NCCL smoke check passed: {result.reason}", check=result)
-    reason = result.reason.strip().splitlines()[0] if result.reason.strip() else result.status
+    else:
+        result = check(local)
+        if result.status == OK:
+            return _Decision(True, f"NCCL smoke check passed: {result.reason}", check=result)
+        reason = result.reason.strip().splitlines()[0] if result.reason.strip() else result.status
+    if setting.mode == "forced":
+        raise NoWorkingBackendError(
+            f"{ENV_BACKEND}=nccl forces NCCL for safestrategy.nccl_ops on {', '.join(devices)}, "
+            f"but it cannot be used there: {reason}. Unset it, or list a fallback "
+            f"(e.g. {ENV_BACKEND}=nccl,reduce_to_cpu).",
+            None,
+        )
     return _Decision(False, reason, reduce_on, result)
 
 
 def _smoke_check(devices: Tuple[Device, ...]) -> CandidateResult:
-    """NCCL's real smoke all-reduce on ``devices``, in a child process that may hang or die."""
-    prober = _probe.Prober(devices, resolve_timeout(None))
-    try:
-        return prober.check(NCCL, len(devices))
-    finally:
-        prober.close()
+    """NCCL's verdict on ``devices``: the same mechanism as the factory's (see ``_nccl``)."""
+    result = _nccl.verdict(import_tf(), devices, _nccl.options())
+    if result.status == OK and result.remedy:
+        _nccl.apply_remedy(result.remedy, devices)
+    return result
 
 
 def _log(decision: _Decision, devices: Sequence[str]) -> None:

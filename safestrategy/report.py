@@ -1,7 +1,7 @@
 """The frozen report: one record that serves the API, the logs and the CLI."""
 
 import json
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 OK = "ok"
 FAILED = "failed"
@@ -18,11 +18,24 @@ class CandidateResult(NamedTuple):
     status: str  #: one of :data:`STATUSES`
     reason: str = ""
     seconds: float = 0.0
+    cached: bool = False  #: the verdict was read from the on-disk cache, not run now
+    #: Environment variables that made it pass (an NCCL remedy); empty when none.
+    remedy: Mapping[str, str] = {}
 
     def line(self) -> str:
         """One human-readable line, as the CLI prints it while probing."""
-        timing = f"{self.seconds:6.2f}s" if self.status in (OK, FAILED, TIMEOUT) else " " * 7
+        if self.cached:
+            timing = " cached"
+        elif self.status in (OK, FAILED, TIMEOUT):
+            timing = f"{self.seconds:6.2f}s"
+        else:
+            timing = " " * 7
         return f"  {self.name:<18} {self.status:<9} {timing}  {self.reason}".rstrip()
+
+    def to_dict(self) -> Dict[str, Any]:
+        data = self._asdict()
+        data["remedy"] = dict(self.remedy)
+        return data
 
 
 class Report(NamedTuple):
@@ -40,11 +53,13 @@ class Report(NamedTuple):
     wsl: bool = False  #: Linux running under Windows Subsystem for Linux
     nccl_kernels: Optional[int] = None  #: registered NcclAllReduce kernels; None if unknown
     python: str = ""
+    workers: Optional[int] = None  #: multi-worker: how many workers; None for one machine
+    task: Optional[str] = None  #: multi-worker: this process's task, e.g. "worker:0"
 
     def to_dict(self) -> Dict[str, Any]:
         data = self._asdict()
         data["devices"] = list(self.devices)
-        data["candidates"] = [candidate._asdict() for candidate in self.candidates]
+        data["candidates"] = [candidate.to_dict() for candidate in self.candidates]
         return data
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -62,7 +77,9 @@ class Report(NamedTuple):
             f"platform     {platform}, Python {known(self.python or None)}",
             f"tensorflow   {self.tf_version} ({self.tf_api})",
             f"nccl kernels {known(self.nccl_kernels)}",
-            "candidates",
         ]
+        if self.workers is not None:
+            lines.append(f"workers      {self.workers} (this is {known(self.task)})")
+        lines.append("candidates")
         lines.extend(candidate.line() for candidate in self.candidates)
         return "\n".join(lines)

@@ -1,0 +1,201 @@
+"""NCCL's verdict on a device set: the one mechanism the factory and nccl_ops share.
+
+NCCL is the only backend that can hang or abort, so it is the only one checked
+in a probe process, and only when it can possibly work:
+
+1. zero registered ``NcclAllReduce`` kernels (counted in this process) fail it
+   at once, with no probe process;
+2. else a verdict cached on disk for the same machine, TensorFlow, devices and
+   NCCL environment is used (:mod:`safestrategy._cache`);
+3. else the smoke all-reduce runs in a probe process, and if it hangs, crashes
+   or fails in NCCL, it is retried in fresh probe processes with NCCL's own
+   environment fixes (:data:`REMEDIES`), skipping any the user has set. The
+   first that passes keeps NCCL, and :func:`apply_remedy` sets it for this
+   process. Each attempt costs at most one timeout.
+
+Verdicts from a probe process that ran the check (pass, fail, timeout, crash)
+are cached; one that could not start, or that ran out of GPU memory, is not.
+"""
+
+import logging
+import os
+import platform
+import sys
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+from . import _cache, _env, _probe, _tf
+from ._devices import Device
+from .report import FAILED, OK, TIMEOUT, CandidateResult
+
+logger = logging.getLogger("safestrategy")
+
+NCCL = "nccl"
+
+#: NCCL's troubleshooting fixes, in the order they are tried.
+REMEDIES: Tuple[Tuple[str, str], ...] = (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))
+
+NO_KERNELS = (
+    "this TensorFlow has no NCCL kernels (0 registered), so NcclAllReduce fails with "
+    "\"No OpKernel was registered to support Op 'NcclAllReduce'\""
+)
+
+_GPU_MEMORY_TAKEN = (
+    "; the GPU memory is taken, most likely by this process's own TensorFlow: set "
+    "TF_FORCE_GPU_ALLOW_GROWTH=true, or call safestrategy before any GPU op"
+)
+_OUT_OF_MEMORY = ("out of memory", "outofmemory", "resourceexhausted", "oom when allocating")
+
+#: Remedies this process set in os.environ, so that its cache keys stay those of the
+#: environment the user gave (the next run finds the verdict that found the remedy).
+_applied: Dict[str, str] = {}
+
+
+class Options(NamedTuple):
+    """How a verdict may be reached: the timeout per attempt and the cache and remedy switches."""
+
+    timeout: float
+    cache: bool = True
+    refresh: bool = False  #: ignore cached verdicts (still write the new one)
+    remedies: bool = True
+
+
+def options(
+    timeout: Optional[float] = None, cache: Optional[bool] = None, refresh: bool = False
+) -> Options:
+    """Options from the arguments and ``SAFESTRATEGY_*`` (``ValueError`` for bad values)."""
+    return Options(
+        _env.resolve_timeout(timeout),
+        _env.resolve_switch(_env.ENV_CACHE, cache),
+        refresh,
+        _env.resolve_switch(_env.ENV_NCCL_REMEDIES),
+    )
+
+
+class _Attempt(NamedTuple):
+    result: CandidateResult
+    cacheable: bool  #: the check ran and said something about NCCL here
+
+
+def _nvidia_driver() -> Optional[str]:
+    try:
+        with open("/proc/driver/nvidia/version") as version:
+            return version.readline().strip()
+    except OSError:
+        return None
+
+
+def _user_nccl_environment() -> Dict[str, str]:
+    return {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if name.startswith("NCCL_") and _applied.get(name) != value
+    }
+
+
+def cache_key(tf: Any, devices: Sequence[Device], opts: Options) -> Dict[str, Any]:
+    """Everything that can change NCCL's verdict on ``devices``."""
+    return {
+        "tf": tf.__version__,
+        "build": _tf.build_info(tf),
+        "python": sys.executable,
+        "os": [platform.system(), platform.release()],
+        "devices": [str(device) for device in devices],
+        "gpus": _tf.gpu_names(tf),
+        "driver": _nvidia_driver(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "nccl_env": _user_nccl_environment(),
+        "timeout": opts.timeout,
+        "remedies": opts.remedies,
+    }
+
+
+def _short(reason: str) -> str:
+    return reason.strip().splitlines()[0] if reason.strip() else ""
+
+
+def _attempt(devices: Sequence[Device], timeout: float, env: Mapping[str, str]) -> _Attempt:
+    """NCCL's smoke all-reduce in one fresh probe process, with ``env`` added."""
+    request = {"job": "mirrored", "devices": [str(device) for device in devices]}
+    try:
+        process, _ = _probe.start(request, timeout, env)
+    except _probe.ProbeDied as error:
+        reason = f"the probe process {error}"
+        return _Attempt(CandidateResult(NCCL, FAILED, reason, 0.0), False)
+    with process:
+        result = _probe.check(process, NCCL, len(devices), timeout)
+        output = " ".join(process.stderr)
+    text = (result.reason + output).lower().replace(" ", "")
+    if result.status == FAILED and any(word in text for word in _OUT_OF_MEMORY):
+        return _Attempt(result._replace(reason=result.reason + _GPU_MEMORY_TAKEN), False)
+    return _Attempt(result, True)
+
+
+def _remediable(attempt: _Attempt) -> bool:
+    """A hang, a crash or an NCCL error: not a missing kernel, which no variable fixes."""
+    result = attempt.result
+    return (
+        attempt.cacheable
+        and result.status in (FAILED, TIMEOUT)
+        and "No OpKernel was registered" not in result.reason
+    )
+
+
+def _run(devices: Sequence[Device], opts: Options) -> _Attempt:
+    first = _attempt(devices, opts.timeout, {})
+    if not (opts.remedies and _remediable(first)):
+        return first
+    spent = first.result.seconds
+    tried = []
+    for name, value in REMEDIES:
+        if name in os.environ:
+            continue  # the user's own setting is never overridden, nor its remedy tried
+        attempt = _attempt(devices, opts.timeout, {name: value})
+        spent += attempt.result.seconds
+        tried.append(f"{name}={value}")
+        if attempt.result.status == OK:
+            reason = (
+                f"passed with {name}={value}, after it {first.result.status} without: "
+                f"{_short(first.result.reason)}"
+            )
+            ok = CandidateResult(NCCL, OK, reason, round(spent, 3), remedy={name: value})
+            return _Attempt(ok, attempt.cacheable)
+    if not tried:
+        return first
+    reason = f"{first.result.reason} (also with {' and with '.join(tried)})"
+    return _Attempt(first.result._replace(reason=reason, seconds=round(spent, 3)), True)
+
+
+def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResult:
+    """NCCL's smoke-check result on ``devices``: from the kernel count, the cache, or a run."""
+    if _tf.nccl_kernel_count(tf) == 0:
+        return CandidateResult(NCCL, FAILED, NO_KERNELS, 0.0)
+    key = cache_key(tf, devices, opts)
+    directory = _env.cache_dir() if opts.cache else None
+    if directory is not None and not opts.refresh:
+        stored = _cache.read(directory, key)
+        if stored is not None:
+            try:
+                return CandidateResult(**{**stored, "cached": True})
+            except TypeError:
+                logger.debug("cached NCCL verdict %r has the wrong fields; ignored", stored)
+    attempt = _run(devices, opts)
+    if directory is not None and attempt.cacheable:
+        _cache.write(directory, key, attempt.result.to_dict())
+    return attempt.result
+
+
+def apply_remedy(remedy: Mapping[str, str], devices: Sequence[Any]) -> None:
+    """Set a remedy's variables in ``os.environ`` (never over the user's), loudly once."""
+    for name, value in remedy.items():
+        if name in os.environ:
+            continue
+        os.environ[name] = value
+        _applied[name] = value
+        logger.warning(
+            "NCCL hangs or fails on %s unless %s=%s; safestrategy set it for this process "
+            "(NCCL reads it when its first all-reduce starts). Set it yourself to make it "
+            "permanent, or see docs/troubleshooting.md to fix the machine instead.",
+            ", ".join(map(str, devices)),
+            name,
+            value,
+        )
