@@ -6,8 +6,10 @@ missing), 2 bad arguments or bad ``SAFESTRATEGY_*`` values.
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
+from . import _tf
+from ._devices import Device
 from ._env import (
     DEFAULT_TIMEOUT,
     ENV_BACKEND,
@@ -51,6 +53,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
+    """TF2: split this process's CPU into as many logical devices as ``devices`` name.
+
+    This process is the CLI's own, so it can do what a training script does to
+    mirror over CPUs (the library never changes its caller's device set-up).
+    """
+    cpus = max([d.index + 1 for d in devices or () if d.kind == "CPU"] or [1])
+    if cpus > 1 and (_tf.tf_version() or "").startswith("2."):
+        _tf.configure_logical_cpus(_tf.import_tf(), cpus)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
 
@@ -61,6 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         request = _request(
             args.devices, args.backend, args.timeout, False if args.no_cache else None, args.refresh
         )
+        _split_cpu(request.devices)
         if not args.json:
             print("checking all-reduce backends (NCCL in a probe process)...", flush=True)
         report = decide(request, None if args.json else progress)[0]

@@ -30,30 +30,67 @@ def cpus(n):
     return [f"/cpu:{i}" for i in range(n)]
 
 
+#: Environment variables the library may set (NCCL remedies) or read.
+LIBRARY_VARIABLES = (
+    "NCCL_P2P_DISABLE",
+    "NCCL_SHM_DISABLE",
+    "SAFESTRATEGY_BACKEND",
+    "SAFESTRATEGY_PROBE_TIMEOUT",
+    "SAFESTRATEGY_CACHE",
+    "SAFESTRATEGY_NCCL_REMEDIES",
+    "SAFESTRATEGY_COMMUNICATION",
+)
+
+
 @pytest.fixture(autouse=True)
-def fresh_decisions():
-    """Each test probes for itself: forget the decisions earlier tests cached."""
-    from safestrategy import factory
+def isolated(monkeypatch, tmp_path):
+    """Each test decides for itself: no decision remembered from another test, an empty
+    verdict cache of its own, none of the caller's SAFESTRATEGY_*/NCCL_* remedy variables,
+    and whatever the library sets in os.environ undone afterwards."""
+    from safestrategy import _nccl, factory
 
     factory._decisions.clear()
+    monkeypatch.setattr(_nccl, "_applied", {})
+    for variable in LIBRARY_VARIABLES:
+        monkeypatch.setenv(variable, "")  # records the original, so teardown restores it
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("SAFESTRATEGY_CACHE_DIR", str(tmp_path / "cache"))
+
+
+GPUS = ["/gpu:0", "/gpu:1"]
+
+
+class Fake:
+    """The probe-process seam: tests/fake_worker.py as the probe process, and a
+    TensorFlow that has GPUs 0-3 and NCCL kernels (what a CPU cannot show)."""
+
+    def __init__(self, monkeypatch, tmp_path):
+        self.monkeypatch = monkeypatch
+        self.pidfile = tmp_path / "pid"
+        self.log = tmp_path / "starts"
+        monkeypatch.setenv("FAKE_WORKER_PIDFILE", str(self.pidfile))
+        monkeypatch.setenv("FAKE_WORKER_LOG", str(self.log))
+
+    def __call__(self, behaviour):
+        """Set how the fake probe process behaves (see fake_worker.py); returns the pidfile."""
+        self.monkeypatch.setenv("FAKE_WORKER", behaviour)
+        return self.pidfile
+
+    def starts(self):
+        """One line per probe process started: "start" and the NCCL_* variables it had."""
+        return self.log.read_text().splitlines() if self.log.exists() else []
 
 
 @pytest.fixture
-def fake(monkeypatch, tmp_path):
-    """Use tests/fake_worker.py as the probe process; returns a function that sets
-    its behaviour (see that file) and returns the file its pid is written to."""
-    from safestrategy import _probe, _tf
+def fake(monkeypatch, tmp_path, tf):
+    from safestrategy import _devices, _probe, _tf
 
+    gpus = tuple(_devices.Device("GPU", i) for i in range(4))
+    visible = _devices.Visible((_devices.Device("CPU", 0), *gpus), any_cpu=True)
     monkeypatch.setattr(_probe, "WORKER_COMMAND", [sys.executable, FAKE_WORKER])
-    monkeypatch.setattr(_tf, "tf_version", lambda: "2.99.0")
-    pidfile = tmp_path / "pid"
-    monkeypatch.setenv("FAKE_WORKER_PIDFILE", str(pidfile))
-
-    def behave(behaviour):
-        monkeypatch.setenv("FAKE_WORKER", behaviour)
-        return pidfile
-
-    return behave
+    monkeypatch.setattr(_tf, "visible_devices", lambda tf: visible)
+    monkeypatch.setattr(_tf, "nccl_kernel_count", lambda tf: 1)
+    return Fake(monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="session")

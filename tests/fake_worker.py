@@ -1,12 +1,21 @@
 """A stand-in probe process for what TensorFlow cannot show on a CPU.
 
-It speaks safestrategy._worker's protocol without TensorFlow. FAKE_WORKER
-selects how each check behaves: "ok" (right sums), "wrong" (replica 1's value
-dropped, as HierarchicalCopyAllReduce does on odd counts), "error", "hang"
-(a broken NCCL) or "abort" (a crashing one); "die-at-start" exits before
-reporting facts; "noisy" first writes 256 KiB of stderr with bytes that are
-not UTF-8 (nor cp1252, nor ASCII), then acts as "ok".
-FAKE_WORKER_PIDFILE, if set, receives the pid.
+It speaks safestrategy._worker's protocol without TensorFlow, and sets itself
+up with the real worker's ``connect()`` (dies with its parent, protocol lines
+marked, stdin watchdog). FAKE_WORKER selects how each check behaves:
+
+- "ok" (right sums), "wrong" (replica 1's value dropped, as
+  HierarchicalCopyAllReduce does on odd counts), "error", "oom" (an
+  out-of-memory error), "hang" (a broken NCCL), "abort" (a crashing one);
+- "die-at-start" exits before reporting facts; "slow-start" never reports them; "banner" prints a line to
+  stdout before anything else, as a sitecustomize might; "garbage" answers a
+  check with a protocol line that is not JSON; "noisy" first writes 256 KiB of
+  stderr with bytes that are not UTF-8 (nor cp1252, nor ASCII), then acts as "ok";
+- "hang-unless-VAR" / "error-unless-VAR": hang, or fail with an NCCL error,
+  unless the environment variable VAR is set (an NCCL that a remedy fixes).
+
+FAKE_WORKER_PIDFILE, if set, receives the pid; FAKE_WORKER_LOG, if set, gets
+one line per start ("start" and the NCCL_* variables it was given).
 """
 
 import json
@@ -18,26 +27,50 @@ behaviour = os.environ.get("FAKE_WORKER", "ok")
 if os.environ.get("FAKE_WORKER_PIDFILE"):
     with open(os.environ["FAKE_WORKER_PIDFILE"], "w") as pidfile:
         pidfile.write(str(os.getpid()))
+if os.environ.get("FAKE_WORKER_LOG"):
+    with open(os.environ["FAKE_WORKER_LOG"], "a") as log:
+        nccl = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("NCCL_"))
+        log.write(" ".join(["start", *nccl]) + "\n")
 if behaviour == "die-at-start":
     print("fake: cannot load libcuda.so.1", file=sys.stderr, flush=True)
     sys.exit(3)
+if behaviour == "banner":
+    print("Welcome to the cluster! (a sitecustomize banner)", flush=True)
+for condition, broken in (("hang-unless-", "hang"), ("error-unless-", "nccl-error")):
+    if behaviour.startswith(condition):
+        behaviour = "ok" if behaviour[len(condition) :] in os.environ else broken
 
+from safestrategy._probe import PREFIX  # noqa: E402  (after the banner, as in real life)
+from safestrategy._worker import connect  # noqa: E402
+
+raw_stdout = os.fdopen(os.dup(1), "w")  # the protocol stream, for "garbage" to write into
+request = json.loads(sys.argv[1])
+send, requests = connect(request)
 if behaviour == "noisy":
     for _ in range(4096):
         sys.stderr.buffer.write(b"W tensorflow: caf\xe9 \x81\x8d\xff " + b"x" * 40 + b"\n")
     sys.stderr.flush()
-devices = json.loads(sys.argv[1])["devices"] or ["/device:GPU:0", "/device:GPU:1"]
-facts = {"tf_version": "2.99.0", "devices": devices, "gpus": 2, "nccl_kernels": 0}
-print(json.dumps({"facts": facts}), flush=True)
+if behaviour == "slow-start":  # e.g. TensorFlow's import on a loaded machine
+    time.sleep(3600)
+devices = request["devices"] or ["/device:GPU:0", "/device:GPU:1"]
+send({"facts": {"tf_version": "2.99.0", "devices": devices, "gpus": 2, "nccl_kernels": 1}})
 n = len(devices)
-for _request in sys.stdin:
+while True:
+    requests.get()
     if behaviour == "hang":
         time.sleep(3600)
     elif behaviour == "abort":
+        print("F external/nccl/src/init.cc: NCCL abort (fake)", file=sys.stderr, flush=True)
         os.abort()
+    elif behaviour == "garbage":
+        raw_stdout.write(PREFIX + "{'values': oops\n")
+        raw_stdout.flush()
     elif behaviour == "error":
-        reply = {"error": ["InvalidArgumentError", "No OpKernel was registered (fake)"]}
+        send({"error": ["InvalidArgumentError", "No OpKernel was registered (fake)"]})
+    elif behaviour == "nccl-error":
+        send({"error": ["InternalError", "NCCL: unhandled system error (fake)"]})
+    elif behaviour == "oom":
+        send({"error": ["ResourceExhaustedError", "OOM when allocating tensor (fake)"]})
     else:
         total = n * (n + 1) / 2 - (2 if behaviour == "wrong" else 0)
-        reply = {"values": [[device, [total] * 4] for device in devices]}
-    print(json.dumps(reply), flush=True)
+        send({"values": [[device, [total] * 4] for device in devices]})

@@ -56,9 +56,15 @@ def test_forced_failure_chooses_nothing():
     check, _ = checker({"reduce_to_cpu": "timeout"})
     decision = decide(resolve_backend("reduce_to_cpu", {}), CPUS, check)
     assert decision.backend is None
-    message = failure_message(CPUS, decision.results)
+    message = failure_message(CPUS, decision.results, resolve_backend("reduce_to_cpu", {}))
     assert "reduce_to_cpu: timeout: fake" in message
-    assert "SAFESTRATEGY_BACKEND" in message
+    assert "pass another backend=" in message and "SAFESTRATEGY_BACKEND" not in message
+
+
+def test_the_failure_message_names_the_override_the_caller_can_use():
+    from_env = resolve_backend(None, {"SAFESTRATEGY_BACKEND": "reduce_to_cpu"})
+    message = failure_message(CPUS, (), from_env)
+    assert "set SAFESTRATEGY_BACKEND" in message
 
 
 def test_one_device_checks_nothing_and_never_picks_nccl():

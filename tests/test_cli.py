@@ -27,7 +27,7 @@ def test_json_is_only_json_and_names_this_legs_tensorflow(run_cli, tf_version):
     nccl = report["candidates"][0]
     assert nccl["status"] == "failed"
     assert "NcclAllReduce" in nccl["reason"]
-    assert set(nccl) == {"name", "status", "reason", "seconds"}
+    assert set(nccl) == {"name", "status", "reason", "seconds", "cached", "remedy"}
 
 
 def test_text_shows_each_candidate_as_it_completes_then_the_table(run_cli):
@@ -49,7 +49,11 @@ def test_exit_1_when_nothing_works(run_cli):
 @pytest.mark.parametrize(
     "args, env, message",
     [
-        (["--backend", "ncll"], {}, "unknown backend 'ncll'"),
+        (["--backend", "ncll"], {}, "unknown name 'ncll'"),
+        (["--timeout", "1e10"], {}, "up to 86400"),
+        ([], {"SAFESTRATEGY_CACHE": "maybe"}, "SAFESTRATEGY_CACHE"),
+        (["--refresh", "--no-cache"], {}, "not allowed with argument"),
+        (["--devices", "/gpu:0", "/gpu:1"], {}, "do not exist in this process"),
         ([], {"SAFESTRATEGY_BACKEND": "nccl;reduce_to_cpu"}, "SAFESTRATEGY_BACKEND"),
         ([], {"SAFESTRATEGY_PROBE_TIMEOUT": "-3"}, "SAFESTRATEGY_PROBE_TIMEOUT"),
         (["--devices", "gpu"], {}, "not a local device name"),

@@ -33,6 +33,8 @@ def test_to_json_round_trips_to_dict():
         "status": "failed",
         "reason": "InvalidArgumentError: No OpKernel",
         "seconds": 0.5,
+        "cached": False,
+        "remedy": {},
     }
     assert data["nccl_kernels"] is None
 
@@ -43,6 +45,16 @@ def test_text_renders_unknowns_and_every_candidate():
     assert "nccl kernels unknown" in text
     assert "Windows (WSL)" in text
     assert "  nccl               failed      0.50s  InvalidArgumentError: No OpKernel" in text
+
+
+def test_cached_verdicts_and_remedies_are_shown():
+    nccl = CandidateResult("nccl", "ok", "passed", 0.0, cached=True, remedy={"NCCL_P2P_DISABLE": "1"})
+    report = make_report(backend="nccl", candidates=(nccl,), workers=2, task="worker:1")
+    assert "  nccl               ok         cached  passed" in str(report)
+    assert "workers      2 (this is worker:1)" in str(report)
+    data = json.loads(report.to_json())
+    assert data["candidates"][0]["remedy"] == {"NCCL_P2P_DISABLE": "1"}
+    assert (data["workers"], data["task"]) == (2, "worker:1")
 
 
 def test_the_report_is_frozen():

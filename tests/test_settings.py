@@ -7,9 +7,17 @@ from safestrategy._devices import Device, parse_devices
 from safestrategy._env import (
     DEFAULT_TIMEOUT,
     ENV_BACKEND,
+    ENV_CACHE,
+    ENV_CACHE_DIR,
+    ENV_COMMUNICATION,
+    ENV_NCCL_REMEDIES,
     ENV_TIMEOUT,
+    MAX_TIMEOUT,
     Setting,
+    cache_dir,
     resolve_backend,
+    resolve_communication,
+    resolve_switch,
     resolve_timeout,
 )
 
@@ -55,8 +63,13 @@ def test_bad_values_name_source_value_and_every_valid_name(value, source):
         assert name in message
 
 
+def test_auto_in_a_list_says_it_cannot_be_combined():
+    with pytest.raises(ValueError, match="'auto' cannot be combined with other names"):
+        resolve_backend("auto,nccl", {})
+
+
 def test_an_empty_argument_is_an_error_but_a_blank_env_value_is_unset():
-    with pytest.raises(ValueError, match="unknown backend ''"):
+    with pytest.raises(ValueError, match="unknown name ''"):
         resolve_backend("", {})
     assert resolve_backend(None, {ENV_BACKEND: ""}).mode == "auto"
 
@@ -76,6 +89,39 @@ def test_timeout_precedence_and_validation():
         assert repr(bad) in str(error.value)
     with pytest.raises(ValueError, match="from the argument"):
         resolve_timeout(0, {})
+
+
+@pytest.mark.parametrize("bad", [True, False, 1e10, MAX_TIMEOUT * 2, "1e10"])
+def test_timeouts_no_platform_can_wait_and_booleans_are_refused(bad):
+    with pytest.raises(ValueError, match=f"up to {MAX_TIMEOUT:g}"):
+        resolve_timeout(bad, {})
+    assert resolve_timeout(MAX_TIMEOUT, {}) == MAX_TIMEOUT
+
+
+def test_communication_has_the_backend_grammar_with_its_own_names_and_variable():
+    assert resolve_communication(None, {}) == Setting("auto", ("nccl", "ring"), "default")
+    env = {ENV_COMMUNICATION: " RING "}
+    assert resolve_communication(None, env) == Setting("forced", ("ring",), "env")
+    assert resolve_communication("nccl,ring", env).mode == "list"
+    with pytest.raises(ValueError, match=f"unknown name 'gloo'.*{ENV_COMMUNICATION}") as error:
+        resolve_communication(None, {ENV_COMMUNICATION: "gloo"})
+    assert "auto, nccl, ring" in str(error.value)
+
+
+@pytest.mark.parametrize("variable", [ENV_CACHE, ENV_NCCL_REMEDIES])
+def test_switches_are_on_by_default_and_take_on_or_off_only(variable):
+    assert resolve_switch(variable, None, {}) is True
+    assert resolve_switch(variable, None, {variable: " OFF "}) is False
+    assert resolve_switch(variable, None, {variable: ""}) is True
+    assert resolve_switch(variable, False, {variable: "on"}) is False
+    with pytest.raises(ValueError, match=f"'no' from the environment variable {variable}"):
+        resolve_switch(variable, None, {variable: "no"})
+
+
+def test_the_cache_directory_is_the_variable_else_the_user_cache(tmp_path):
+    assert cache_dir({ENV_CACHE_DIR: str(tmp_path)}) == str(tmp_path)
+    default = cache_dir({})
+    assert default.endswith("safestrategy") and "cache" in default.lower()
 
 
 def test_device_names():

@@ -11,11 +11,12 @@ import pytest
 from packaging.version import Version
 
 import safestrategy
-from safestrategy import _probe
+from safestrategy import _allreduce, _probe, factory
 
 from .conftest import cpus, run_python
 
 SEED_ERROR = "No OpKernel was registered to support Op 'NcclAllReduce'"
+LOGGER = "safestrategy"
 
 X = np.linspace(-1.0, 1.0, 48 * 4, dtype=np.float32).reshape(48, 4)
 Y = (X @ np.array([[0.5], [-1.0], [2.0], [0.25]], dtype=np.float32) + 0.3).astype(np.float32)
@@ -91,9 +92,9 @@ def test_env_list_runs_the_real_nccl_check_and_falls_back(
     nccl = report.candidates[0]
     assert (nccl.status, report.backend, report.source) == ("failed", "reduce_to_cpu", "env")
     assert SEED_ERROR in nccl.reason
-    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == LOGGER]
     message = warning.getMessage()
-    for part in ("nccl failed", SEED_ERROR, "using reduce_to_cpu", "SAFESTRATEGY_BACKEND"):
+    for part in ("nccl failed", SEED_ERROR, "using reduce_to_cpu", "set SAFESTRATEGY_BACKEND"):
         assert part in message
     assert any(
         r.levelno == logging.INFO and "reduce_to_cpu" in r.getMessage() for r in caplog.records
@@ -109,8 +110,9 @@ def test_forced_hierarchical_copy_on_three_devices_is_refused(tf2):
 
 @pytest.mark.parametrize("name", safestrategy.BACKEND_NAMES)
 def test_every_backend_can_be_forced_on_two_devices(tf2, name):
-    if name == "nccl":
-        with pytest.raises(safestrategy.NoWorkingBackendError, match=SEED_ERROR):
+    if name in ("nccl", "reduce_to_gpu"):  # neither can work without a GPU
+        why = SEED_ERROR if name == "nccl" else "reduce_to_gpu: failed: no GPU among the devices"
+        with pytest.raises(safestrategy.NoWorkingBackendError, match=why):
             safestrategy.make_mirrored_strategy(cpus(2), backend=name)
         return
     strategy = safestrategy.make_mirrored_strategy(cpus(2), backend=name)
@@ -118,8 +120,17 @@ def test_every_backend_can_be_forced_on_two_devices(tf2, name):
     assert safestrategy.last_report().backend == name
 
 
+def no_checks(monkeypatch):
+    """Make any smoke check, in this process or a probe process, fail the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("nothing may be checked here")
+
+    monkeypatch.setattr(factory._Checks, "__call__", refuse)
+
+
 def test_your_own_cross_device_ops_are_used_as_given(tf2, monkeypatch):
-    monkeypatch.setattr(_probe, "Prober", None)  # any probing would fail
+    no_checks(monkeypatch)
     ops = tf2.distribute.ReductionToOneDevice()
     strategy = safestrategy.make_mirrored_strategy(cpus(2), cross_device_ops=ops)
     assert strategy.extended._cross_device_ops is ops
@@ -127,7 +138,7 @@ def test_your_own_cross_device_ops_are_used_as_given(tf2, monkeypatch):
 
 
 def test_bad_settings_fail_before_any_probe(tf2, monkeypatch):
-    monkeypatch.setattr(_probe, "Prober", None)
+    no_checks(monkeypatch)
     monkeypatch.setenv("SAFESTRATEGY_BACKEND", "nccl;reduce_to_cpu")
     with pytest.raises(ValueError, match="SAFESTRATEGY_BACKEND"):
         safestrategy.make_mirrored_strategy(cpus(2))
@@ -136,7 +147,7 @@ def test_bad_settings_fail_before_any_probe(tf2, monkeypatch):
 
 
 def test_one_device_needs_no_probe(tf2, monkeypatch):
-    monkeypatch.setattr(_probe.Prober, "start", None)
+    no_checks(monkeypatch)
     strategy = safestrategy.make_mirrored_strategy(["/cpu:0"])
     assert strategy.num_replicas_in_sync == 1
     assert {c.status for c in safestrategy.last_report().candidates} == {"not_tried"}
@@ -145,7 +156,7 @@ def test_one_device_needs_no_probe(tf2, monkeypatch):
 BESIDE_YOUR_DEFAULT_STRATEGY = """
 import tensorflow as tf
 import safestrategy
-from safestrategy._worker import _eager_all_reduce
+from safestrategy._allreduce import _eager_all_reduce
 from safestrategy._tf import configure_logical_cpus
 from tests.conftest import cpus
 
@@ -175,3 +186,75 @@ def test_your_own_default_strategy_still_works_beside_ours(tf2):
         "ours reduce_to_cpu 6.0",
         "yours 3.0",
     ]
+
+
+# --- checks in the caller's process, honest about devices (0.2) --------------------------
+
+
+def test_only_nccl_may_start_a_probe_process(tf2, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a probe process was started")
+
+    monkeypatch.setattr(_probe, "ProbeProcess", refuse)
+    safestrategy.make_mirrored_strategy(cpus(3))
+    assert safestrategy.last_report().backend == "reduce_to_cpu"
+
+
+def test_a_probe_process_that_cannot_start_costs_nothing_without_nccl(tf2, monkeypatch):
+    monkeypatch.setattr(_probe, "WORKER_COMMAND", ["/nonexistent/python"])
+    strategy = safestrategy.make_mirrored_strategy(cpus(2), backend="nccl,reduce_to_cpu")
+    assert strategy.num_replicas_in_sync == 2
+
+
+@pytest.mark.parametrize(
+    "devices, missing",
+    [
+        (["/gpu:0", "/gpu:1"], "devices /device:GPU:0, /device:GPU:1 do not exist"),
+        (["/cpu:0", "/cpu:5"], "device /device:CPU:5 does not exist"),
+    ],
+)
+def test_devices_tensorflow_does_not_have_are_an_error_before_any_check(
+    tf2, monkeypatch, devices, missing
+):
+    no_checks(monkeypatch)
+    with pytest.raises(ValueError, match=missing) as error:
+        safestrategy.probe(devices)
+    assert "TensorFlow has /device:CPU:0, /device:CPU:1, /device:CPU:2" in str(error.value)
+    if "GPU" in missing:
+        assert "list_physical_devices('GPU')" in str(error.value)
+
+
+def test_the_check_itself_refuses_to_run_elsewhere_than_named(tf2):
+    # Soft placement would run both "GPU" replicas on CPU:0 and report the right sum.
+    result = _allreduce.smoke_check(tf2, "distribute", ["/gpu:0", "/gpu:1"], "reduce_to_cpu")
+    assert result.status == "failed", result
+
+
+def test_checks_leave_the_callers_settings_as_they_were(tf2):
+    tf2.config.set_soft_device_placement(True)
+    before = tf2.config.list_logical_devices()
+    safestrategy.make_mirrored_strategy(cpus(3), backend="hierarchical_copy,reduce_to_cpu")
+    assert tf2.config.get_soft_device_placement() is True
+    assert tf2.config.list_logical_devices() == before
+
+
+def test_reduce_to_gpu_without_a_gpu_fails_in_every_mode(tf2):
+    report = safestrategy.probe(cpus(2), backend="reduce_to_gpu,reduce_to_cpu")
+    assert report.candidates[0][:3] == ("reduce_to_gpu", "failed", "no GPU among the devices")
+    assert report.backend == "reduce_to_cpu"
+
+
+def test_one_warning_per_decision_and_quiet_when_remembered(tf2, monkeypatch, caplog):
+    monkeypatch.setenv("SAFESTRATEGY_BACKEND", "nccl,reduce_to_cpu")
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        safestrategy.make_mirrored_strategy(cpus(2))
+        safestrategy.make_mirrored_strategy(cpus(2))
+    fallback = "all-reduce backend nccl failed"
+    ours = [r for r in caplog.records if r.name == LOGGER and fallback in r.getMessage()]
+    assert [r.levelno for r in ours] == [logging.WARNING, logging.DEBUG]
+
+
+def test_unknown_keyword_arguments_are_refused_before_any_check(tf2, monkeypatch):
+    no_checks(monkeypatch)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*cross_devices_ops"):
+        safestrategy.make_mirrored_strategy(cpus(2), cross_devices_ops=None)
