@@ -130,13 +130,20 @@ def _attempt(devices: Sequence[Device], timeout: float, env: Mapping[str, str]) 
     return _Attempt(result, True)
 
 
+#: TensorFlow's errors for NCCL failing at run time (as opposed to a kernel or device that
+#: is not there: InvalidArgumentError, NotFoundError, which no environment variable fixes).
+_RUNTIME_ERRORS = ("InternalError", "UnknownError", "UnavailableError", "AbortedError")
+
+
 def _remediable(attempt: _Attempt) -> bool:
-    """A hang, a crash or an NCCL error: not a missing kernel, which no variable fixes."""
+    """A hang, a crash, wrong sums or an NCCL run-time error: what NCCL's fixes address."""
     result = attempt.result
+    if not attempt.cacheable or result.status == OK:
+        return False
     return (
-        attempt.cacheable
-        and result.status in (FAILED, TIMEOUT)
-        and "No OpKernel was registered" not in result.reason
+        result.status == TIMEOUT
+        or result.reason.startswith(("the probe process died", "wrong sum"))
+        or result.reason.split(":", 1)[0] in _RUNTIME_ERRORS
     )
 
 
@@ -153,8 +160,9 @@ def _run(devices: Sequence[Device], opts: Options) -> _Attempt:
         spent += attempt.result.seconds
         tried.append(f"{name}={value}")
         if attempt.result.status == OK:
+            failed = "timed out" if first.result.status == TIMEOUT else "failed"
             reason = (
-                f"passed with {name}={value}, after it {first.result.status} without: "
+                f"passed with {name}={value}, after it {failed} without: "
                 f"{_short(first.result.reason)}"
             )
             ok = CandidateResult(NCCL, OK, reason, round(spent, 3), remedy={name: value})

@@ -14,7 +14,8 @@ import logging
 import numpy as np
 import pytest
 
-from safestrategy import nccl_ops
+import safestrategy
+from safestrategy import _nccl, nccl_ops
 from safestrategy._devices import parse_devices
 from safestrategy._env import resolve_backend
 from safestrategy.report import FAILED, OK, CandidateResult
@@ -380,7 +381,6 @@ def test_decide_never_probes_where_nccl_cannot_apply(devices, why):
 @pytest.mark.parametrize(
     ("value", "nccl", "reduce_on"),
     [
-        ("nccl", True, None),
         ("reduce_to_cpu", False, "/device:CPU:0"),
         ("hierarchical_copy", False, None),
         ("reduce_to_gpu,nccl", False, None),
@@ -389,6 +389,17 @@ def test_decide_never_probes_where_nccl_cannot_apply(devices, why):
 def test_decide_obeys_the_backend_setting_without_probing(value, nccl, reduce_on):
     decision = nccl_ops._decide(GPUS, setting(value), refuse)
     assert (decision.nccl, decision.reduce_on) == (nccl, reduce_on)
+
+
+def test_a_forced_nccl_is_checked_like_the_factorys():
+    passed = CandidateResult("nccl", OK, "all 2 replicas got the right sum")
+    assert nccl_ops._decide(GPUS, setting("nccl"), lambda devices: passed).nccl
+    failure = CandidateResult("nccl", FAILED, f"InvalidArgumentError: {SEED_ERROR}")
+    with pytest.raises(safestrategy.NoWorkingBackendError, match="forces NCCL") as error:
+        nccl_ops._decide(GPUS, setting("nccl"), lambda devices: failure)
+    assert SEED_ERROR in str(error.value) and "nccl,reduce_to_cpu" in str(error.value)
+    with pytest.raises(safestrategy.NoWorkingBackendError, match="one is on /device:CPU:0"):
+        nccl_ops._decide(["/cpu:0", "/cpu:1"], setting("nccl"), refuse)
 
 
 def test_a_listed_fallback_chooses_where_to_reduce():
@@ -455,18 +466,16 @@ def test_passed_check_uses_tensorflows_nccl_ops_and_its_gradient(tf, monkeypatch
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_forcing_nccl_gives_tensorflows_own_error_on_cpus(tf, monkeypatch):
+def test_forcing_nccl_on_cpus_raises_before_tensorflow_can(tf, monkeypatch):
     monkeypatch.setenv("SAFESTRATEGY_BACKEND", "nccl")
     monkeypatch.setattr(nccl_ops, "_smoke_check", refuse)
-    with tf.Graph().as_default():
-        out = nccl_ops.all_sum(placed(tf, inputs(2)))
-        with session(tf) as sess, pytest.raises(tf.errors.InvalidArgumentError, match=SEED_ERROR):
-            sess.run(out)
+    with tf.Graph().as_default(), pytest.raises(safestrategy.NoWorkingBackendError):
+        nccl_ops.all_sum(placed(tf, inputs(2)))
 
 
-def test_forcing_nccl_eagerly_gives_tensorflows_own_error_on_cpus(tf2, monkeypatch):
+def test_forcing_nccl_eagerly_on_cpus_raises_before_tensorflow_can(tf2, monkeypatch):
     monkeypatch.setenv("SAFESTRATEGY_BACKEND", "nccl")
-    with pytest.raises(tf2.errors.InvalidArgumentError, match=SEED_ERROR):
+    with pytest.raises(safestrategy.NoWorkingBackendError, match="SAFESTRATEGY_BACKEND=nccl"):
         nccl_ops.all_sum(placed(tf2, inputs(2)))
 
 
@@ -490,13 +499,17 @@ def test_cpu_devices_fall_back_quietly_without_probing(tf, monkeypatch, caplog):
 
 
 def test_real_smoke_check_fails_where_there_is_no_nccl(tf):
-    """The real child-process check, for GPUs this machine lacks: an error, not a hang.
+    """The real NCCL verdict, for GPUs this machine lacks: an error, not a hang, no remedy.
 
-    Mostly the seed's error (the ops land on the CPU); TF 2.0 says it finds no GPU:0.
+    With zero NCCL kernels (tensorflow-cpu) it fails at once; a CUDA build with
+    kernels runs the real probe process, where NCCL cannot be placed on a GPU
+    that is not there, which no NCCL variable fixes, so no remedy is tried.
     """
     result = nccl_ops._smoke_check(parse_devices(GPUS))
-    assert result.status == FAILED
-    assert result.reason.startswith("InvalidArgumentError: ")
+    assert result.status == FAILED and not result.remedy
+    if _nccl.NO_KERNELS != result.reason:
+        assert result.reason.startswith("InvalidArgumentError: ")
+        assert "also with" not in result.reason
 
 
 def test_setting_is_part_of_the_cache_key(tf, monkeypatch):

@@ -74,41 +74,61 @@ import sys
 with open("runs.txt", "a") as runs:  # no `if __name__ == "__main__":` guard, on purpose
     runs.write("ran\\n")
 import safestrategy
-from safestrategy import _probe, _tf
+from safestrategy import _devices, _probe, _tf
 _probe.system = lambda: "Windows"
-if {fake!r}:
-    _probe.WORKER_COMMAND = [sys.executable, {fake!r}]
-    _tf.tf_version = lambda: "2.99.0"
-report = safestrategy.probe({devices!r}, backend={backend!r})
+_probe.WORKER_COMMAND = [sys.executable, {fake!r}]
+_tf.nccl_kernel_count = lambda tf: 1
+gpus = (_devices.Device("GPU", 0), _devices.Device("GPU", 1))
+_tf.visible_devices = lambda tf: _devices.Visible((_devices.Device("CPU", 0),) + gpus)
+report = safestrategy.probe(["/gpu:0", "/gpu:1"], backend="nccl")
 print(report.backend, report.platform)
 """
 
 
-def run_unguarded_script(tmp_path, fake, devices, backend):
-    """Run a training script without a main guard from a directory with spaces."""
+@needs_tf
+def test_a_script_without_a_main_guard_runs_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_WORKER", "ok")
     folder = tmp_path / "my project (v2)"
     folder.mkdir()
     script = folder / "train.py"
-    script.write_text(TRAIN_SCRIPT.format(fake=fake, devices=devices, backend=backend))
+    script.write_text(TRAIN_SCRIPT.format(fake=FAKE_WORKER))
     path = [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    env = {"PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env = {"PYTHONPATH": os.pathsep.join(p for p in path if p), "SAFESTRATEGY_CACHE": "off"}
     done = run_python(str(script), env=env, cwd=folder)
     assert done.returncode == 0, done.stderr
-    return done.stdout.split(), (folder / "runs.txt").read_text().splitlines()
+    assert done.stdout.split() == ["nccl", "Windows"]
+    # multiprocessing's spawn would have run it once more per process
+    assert (folder / "runs.txt").read_text().splitlines() == ["ran"]
 
 
-def test_a_script_without_a_main_guard_runs_once(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_WORKER", "ok")
-    printed, runs = run_unguarded_script(tmp_path, FAKE_WORKER, GPUS, "nccl")
-    assert printed == ["nccl", "Windows"]
-    assert runs == ["ran"]  # multiprocessing's spawn would have run it once more per process
+VENDORED_SCRIPT = """
+import os, sys
+sys.path.insert(0, os.path.join({vendor!r}))
+import safestrategy
+from safestrategy import _probe
+process, facts = _probe.start({{"job": "mirrored", "devices": ["/cpu:0", "/cpu:1"]}}, 300)
+with process:
+    result = _probe.check(process, "reduce_to_cpu", 2, 300)
+print(facts["tf_version"], result.status, result.reason)
+"""
 
 
 @needs_tf
-def test_the_real_probe_process_starts_from_any_directory(tmp_path):
-    printed, runs = run_unguarded_script(tmp_path, "", ["/cpu:0", "/cpu:1"], "reduce_to_cpu")
-    assert printed == ["reduce_to_cpu", "Windows"]
-    assert runs == ["ran"]
+def test_the_real_probe_process_imports_the_callers_own_copy(tmp_path):
+    """A copy vendored beside the script, run from a directory whose own ``safestrategy``
+    (and one on PYTHONPATH) is a decoy: the probe process must import the caller's."""
+    vendor = tmp_path / "app folder" / "third_party"
+    shutil.copytree(str(ROOT / "safestrategy"), str(vendor / "safestrategy"))
+    decoy = tmp_path / "decoy"
+    (decoy / "safestrategy").mkdir(parents=True)
+    (decoy / "safestrategy" / "__init__.py").write_text("raise ImportError('the decoy')\n")
+    script = tmp_path / "app folder" / "train.py"
+    script.write_text(VENDORED_SCRIPT.format(vendor=str(vendor)))
+    env = {"PYTHONPATH": str(decoy), "PYTHONSAFEPATH": ""}
+    done = run_python(str(script), env=env, cwd=decoy)
+    assert done.returncode == 0, done.stderr[-3000:]
+    version, status, reason = done.stdout.split(maxsplit=2)
+    assert (status, reason.strip()) == ("ok", "all 2 replicas got the right sum")
 
 
 def test_a_worker_path_with_spaces_and_accents(fake, windows, monkeypatch, tmp_path):

@@ -1,0 +1,227 @@
+"""NCCL verdicts that last, and NCCL's remedies, through the probe-process seam.
+
+The fake probe process (tests/fake_worker.py) logs each start with the NCCL_*
+variables it was given, so a test can tell a cached verdict (no start) from a
+fresh one, and a remedy tried from one skipped.
+"""
+
+import json
+import logging
+import os
+import time
+
+import pytest
+
+import safestrategy
+from safestrategy import _cache, factory
+
+from .conftest import GPUS
+
+#: Real devices (the conftest ``tf`` fixture makes 3 logical CPUs), so that the fallback
+#: candidates can run for real beside the faked NCCL.
+CPUS = ["/cpu:0", "/cpu:1"]
+P2P = "NCCL_P2P_DISABLE"
+SHM = "NCCL_SHM_DISABLE"
+
+
+def decide_again(**kwargs):
+    """A decision as a new process would make it (nothing remembered in this one)."""
+    factory._decisions.clear()
+    try:
+        return safestrategy.probe(CPUS, **{"backend": "nccl,reduce_to_cpu", **kwargs})
+    except safestrategy.NoWorkingBackendError as error:
+        return error.report
+
+
+def cache_files(tmp_path):
+    return sorted((tmp_path / "cache").glob("nccl-*.json"))
+
+
+# --- the cache ----------------------------------------------------------------------------
+
+
+def test_a_verdict_is_probed_once_then_read_from_the_cache(fake, tmp_path):
+    fake("ok")
+    first = decide_again().candidates[0]
+    second = decide_again().candidates[0]
+    assert (first.status, first.cached) == ("ok", False)
+    assert (second.status, second.cached) == ("ok", True)
+    assert fake.starts() == ["start"]
+    assert len(cache_files(tmp_path)) == 1
+
+
+def test_failures_and_timeouts_are_cached_too(fake, monkeypatch):
+    monkeypatch.setenv("SAFESTRATEGY_NCCL_REMEDIES", "off")
+    fake("hang")
+    assert decide_again(timeout=0.5).candidates[0].status == "timeout"
+    again = decide_again(timeout=0.5)
+    assert (again.candidates[0].status, again.candidates[0].cached) == ("timeout", True)
+    assert again.backend == "reduce_to_cpu"
+    assert len(fake.starts()) == 1  # a hang costs its timeout once, not at every launch
+
+
+def test_the_cache_key_holds_what_can_change_the_verdict(fake, monkeypatch):
+    fake("ok")
+    decide_again()
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    decide_again()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    decide_again()
+    decide_again(timeout=7)
+    assert len(fake.starts()) == 4
+    decide_again(timeout=7)
+    assert len(fake.starts()) == 4
+
+
+def test_refresh_and_cache_off(fake, monkeypatch, tmp_path, run_cli):
+    fake("ok")
+    decide_again()
+    factory._decisions.clear()
+    report, _ = factory.decide(factory._request(GPUS, "nccl", None, refresh=True))
+    assert not report.candidates[0].cached
+    assert len(fake.starts()) == 2
+    monkeypatch.setenv("SAFESTRATEGY_CACHE", "off")
+    (tmp_path / "cache").rename(tmp_path / "elsewhere")
+    assert not decide_again().candidates[0].cached
+    assert len(fake.starts()) == 3
+    assert not (tmp_path / "cache").exists()  # off: not written either
+
+
+def test_entries_expire_after_seven_days(fake, tmp_path):
+    fake("ok")
+    decide_again()
+    (path,) = cache_files(tmp_path)
+    entry = json.loads(path.read_text())
+    entry["written"] = time.time() - _cache.MAX_AGE - 1
+    path.write_text(json.dumps(entry))
+    assert not decide_again().candidates[0].cached
+    assert len(fake.starts()) == 2
+
+
+@pytest.mark.parametrize("damage", ["", "{", '{"format": 1}', "[]", "\x00\xff"])
+def test_a_corrupt_entry_is_a_miss_and_is_rewritten(fake, tmp_path, damage):
+    fake("ok")
+    decide_again()
+    (path,) = cache_files(tmp_path)
+    path.write_text(damage)
+    assert not decide_again().candidates[0].cached
+    assert decide_again().candidates[0].cached
+    assert len(fake.starts()) == 2
+
+
+def test_an_unusable_cache_directory_is_no_error(fake, monkeypatch, tmp_path):
+    fake("ok")
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("SAFESTRATEGY_CACHE_DIR", str(blocker / "cache"))
+    assert decide_again().candidates[0].status == "ok"
+    assert decide_again().candidates[0].status == "ok"
+    assert len(fake.starts()) == 2
+
+
+def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
+    key = {"devices": ["/device:GPU:0", "/device:GPU:1"]}
+    value = {"name": "nccl", "status": "ok", "reason": "x" * 100000}
+    for _ in range(20):
+        _cache.write(str(tmp_path), key, value)
+    assert _cache.read(str(tmp_path), key) == value
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_a_fallback_resting_on_a_cached_verdict_says_how_to_check_again(fake, caplog):
+    fake("error")
+    decide_again()
+    factory._decisions.clear()
+    with caplog.at_level(logging.WARNING, logger="safestrategy"):
+        safestrategy.make_mirrored_strategy(CPUS, backend="nccl,reduce_to_cpu")
+    (warning,) = [r for r in caplog.records if r.name == "safestrategy"]
+    assert "cached from an earlier run" in warning.getMessage()
+    assert "--refresh" in warning.getMessage()
+
+
+# --- remedies -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def short_timeout(monkeypatch):
+    monkeypatch.setenv("SAFESTRATEGY_PROBE_TIMEOUT", "1")
+
+
+def test_a_remedy_keeps_nccl_and_is_applied_named_and_recorded(fake, caplog, short_timeout):
+    fake(f"hang-unless-{P2P}")
+    with caplog.at_level(logging.WARNING, logger="safestrategy"):
+        safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    report = safestrategy.last_report()
+    (nccl,) = report.candidates
+    assert (report.backend, nccl.status, nccl.remedy) == ("nccl", "ok", {P2P: "1"})
+    assert nccl.reason.startswith(f"passed with {P2P}=1, after it timed out without")
+    assert os.environ[P2P] == "1"
+    (warning,) = [r for r in caplog.records if r.name == "safestrategy"]
+    assert f"unless {P2P}=1" in warning.getMessage()
+    assert fake.starts() == ["start", f"start {P2P}=1"]
+    print(report)
+
+
+def test_remedies_are_tried_in_order_until_one_passes(fake):
+    fake(f"error-unless-{SHM}")
+    (nccl,) = decide_again(backend="nccl").candidates
+    assert nccl.remedy == {SHM: "1"}
+    assert fake.starts() == ["start", f"start {P2P}=1", f"start {SHM}=1"]
+
+
+def test_a_variable_the_user_set_is_kept_and_its_remedy_not_tried(
+    fake, monkeypatch, short_timeout
+):
+    monkeypatch.setenv(P2P, "0")
+    fake(f"hang-unless-{SHM}")
+    safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    assert os.environ[P2P] == "0" and os.environ[SHM] == "1"
+    assert fake.starts() == [f"start {P2P}=0", f"start {P2P}=0 {SHM}=1"]
+
+
+def test_remedies_can_be_switched_off(fake, monkeypatch):
+    monkeypatch.setenv("SAFESTRATEGY_NCCL_REMEDIES", "off")
+    fake(f"hang-unless-{P2P}")
+    report = decide_again(timeout=0.5)
+    assert (report.candidates[0].status, report.backend) == ("timeout", "reduce_to_cpu")
+    assert fake.starts() == ["start"]
+    assert P2P not in os.environ
+
+
+def test_no_remedy_helps_a_missing_kernel(fake):
+    fake("error")
+    (nccl, _) = decide_again().candidates
+    assert nccl.status == "failed" and "also with" not in nccl.reason
+    assert fake.starts() == ["start"]
+
+
+def test_every_remedy_failing_says_so(fake):
+    fake("abort")
+    (nccl, _) = decide_again().candidates
+    assert nccl.status == "failed"
+    assert nccl.reason.endswith(f"(also with {P2P}=1 and with {SHM}=1)")
+    assert len(fake.starts()) == 3
+
+
+def test_a_cached_remedy_is_applied_without_a_probe_process(fake, monkeypatch, short_timeout):
+    fake(f"hang-unless-{P2P}")
+    safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    monkeypatch.delenv(P2P)  # the next launch: a new process without the variable
+    monkeypatch.setattr(safestrategy._nccl, "_applied", {})
+    factory._decisions.clear()
+    safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    (nccl,) = safestrategy.last_report().candidates
+    assert (nccl.cached, nccl.remedy, os.environ[P2P]) == (True, {P2P: "1"}, "1")
+    assert len(fake.starts()) == 2  # the first launch's two, none for the second
+
+
+def test_nccl_ops_applies_the_remedy_on_its_own_decision(fake, tf, short_timeout):
+    from safestrategy import nccl_ops
+
+    from .test_nccl_ops import inputs, placed
+
+    fake(f"hang-unless-{P2P}")
+    with tf.Graph().as_default():
+        out = nccl_ops.all_sum(placed(tf, inputs(2), GPUS))
+    assert [t.op.type for t in out] == ["NcclAllReduce"] * 2
+    assert os.environ[P2P] == "1"
