@@ -77,7 +77,7 @@ def test_a_reply_that_is_not_json_is_a_failure_not_an_exception(fake):
 def test_a_probe_process_that_cannot_start_fails_nccl_and_the_decision_goes_on(fake, caplog):
     fake("die-at-start")
     report = safestrategy.probe(["/cpu:0", "/cpu:1"], backend="nccl,reduce_to_cpu")
-    nccl, cpu = report.candidates
+    nccl, _ = report.candidates
     assert (nccl.status, report.backend) == ("failed", "reduce_to_cpu")
     assert "could not start" in nccl.reason and "exit status 3" in nccl.reason
     assert "libcuda" in nccl.reason

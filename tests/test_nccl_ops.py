@@ -507,7 +507,7 @@ def test_real_smoke_check_fails_where_there_is_no_nccl(tf):
     """
     result = nccl_ops._smoke_check(parse_devices(GPUS))
     assert result.status == FAILED and not result.remedy
-    if _nccl.NO_KERNELS != result.reason:
+    if result.reason != _nccl.NO_KERNELS:
         assert result.reason.startswith("InvalidArgumentError: ")
         assert "also with" not in result.reason
 

@@ -48,7 +48,8 @@ def test_text_renders_unknowns_and_every_candidate():
 
 
 def test_cached_verdicts_and_remedies_are_shown():
-    nccl = CandidateResult("nccl", "ok", "passed", 0.0, cached=True, remedy={"NCCL_P2P_DISABLE": "1"})
+    remedy = {"NCCL_P2P_DISABLE": "1"}
+    nccl = CandidateResult("nccl", "ok", "passed", 0.0, cached=True, remedy=remedy)
     report = make_report(backend="nccl", candidates=(nccl,), workers=2, task="worker:1")
     assert "  nccl               ok         cached  passed" in str(report)
     assert "workers      2 (this is worker:1)" in str(report)

@@ -256,5 +256,5 @@ def test_one_warning_per_decision_and_quiet_when_remembered(tf2, monkeypatch, ca
 
 def test_unknown_keyword_arguments_are_refused_before_any_check(tf2, monkeypatch):
     no_checks(monkeypatch)
-    with pytest.raises(TypeError, match="unexpected keyword argument.*cross_devices_ops"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument.*cross_devices_ops"):
         safestrategy.make_mirrored_strategy(cpus(2), cross_devices_ops=None)

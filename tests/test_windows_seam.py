@@ -127,7 +127,7 @@ def test_the_real_probe_process_imports_the_callers_own_copy(tmp_path):
     env = {"PYTHONPATH": str(decoy), "PYTHONSAFEPATH": ""}
     done = run_python(str(script), env=env, cwd=decoy)
     assert done.returncode == 0, done.stderr[-3000:]
-    version, status, reason = done.stdout.split(maxsplit=2)
+    _, status, reason = done.stdout.split(maxsplit=2)
     assert (status, reason.strip()) == ("ok", "all 2 replicas got the right sum")
 
 
