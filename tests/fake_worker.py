@@ -7,10 +7,11 @@ marked, stdin watchdog). FAKE_WORKER selects how each check behaves:
 - "ok" (right sums), "wrong" (replica 1's value dropped, as
   HierarchicalCopyAllReduce does on odd counts), "error", "oom" (an
   out-of-memory error), "hang" (a broken NCCL), "abort" (a crashing one);
-- "die-at-start" exits before reporting facts; "slow-start" never reports them;
-  "banner" prints a line to stdout before anything else, as a sitecustomize
-  might; "garbage" answers a check with a protocol line that is not JSON; "noisy" first writes 256 KiB of
-  stderr with bytes that are not UTF-8 (nor cp1252, nor ASCII), then acts as "ok";
+- "die-at-start" exits before reporting facts; "slow-start" never reports
+  them; "banner" prints a line to stdout before anything else, as a
+  sitecustomize might; "garbage" answers a check with a protocol line that is
+  not JSON; "noisy" first writes 256 KiB of stderr with bytes that are not
+  UTF-8 (nor cp1252, nor ASCII), then acts as "ok";
 - "hang-unless-VAR" / "error-unless-VAR": hang, or fail with an NCCL error,
   unless the environment variable VAR is set (an NCCL that a remedy fixes).
 

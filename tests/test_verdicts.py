@@ -169,9 +169,7 @@ def test_remedies_are_tried_in_order_until_one_passes(fake):
     assert fake.starts() == ["start", f"start {P2P}=1", f"start {SHM}=1"]
 
 
-def test_a_variable_the_user_set_is_kept_and_its_remedy_not_tried(
-    fake, monkeypatch, short_timeout
-):
+def test_a_variable_the_user_set_is_kept_and_its_remedy_not_tried(fake, monkeypatch, short_timeout):
     monkeypatch.setenv(P2P, "0")
     fake(f"hang-unless-{SHM}")
     safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
