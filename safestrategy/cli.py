@@ -9,7 +9,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from . import _tf
-from ._devices import Device
+from ._devices import Device, parse_devices
 from ._env import (
     DEFAULT_TIMEOUT,
     ENV_BACKEND,
@@ -19,7 +19,7 @@ from ._env import (
     ENV_TIMEOUT,
 )
 from .backends import BACKENDS
-from .factory import NoWorkingBackendError, _request, decide
+from .factory import NoWorkingBackendError, decide
 from .report import CandidateResult
 
 
@@ -71,13 +71,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(result.line(), flush=True)
 
     try:
-        request = _request(
-            args.devices, args.backend, args.timeout, False if args.no_cache else None, args.refresh
-        )
-        _split_cpu(request.devices)
+        _split_cpu(parse_devices(args.devices) if args.devices else None)
         if not args.json:
             print("checking all-reduce backends (NCCL in a probe process)...", flush=True)
-        report = decide(request, None if args.json else progress)[0]
+        report = decide(
+            args.devices,
+            backend=args.backend,
+            timeout=args.timeout,
+            cache=False if args.no_cache else None,
+            refresh=args.refresh,
+            on_result=None if args.json else progress,
+        )[0]
         status = 0
     except ValueError as error:
         print(f"safestrategy: error: {error}", file=sys.stderr)

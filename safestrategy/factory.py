@@ -117,13 +117,28 @@ def _devices_for(tf: Any, requested: Optional[Tuple[Device, ...]]) -> Tuple[Devi
 
 
 def decide(
-    request: _Request, on_result: Optional[Callable[[CandidateResult], None]] = None
+    devices: Optional[Sequence[str]] = None,
+    *,
+    backend: Optional[str] = None,
+    timeout: Optional[float] = None,
+    cache: Optional[bool] = None,
+    refresh: bool = False,
+    on_result: Optional[Callable[[CandidateResult], None]] = None,
 ) -> Tuple[Report, bool]:
-    """The report for ``request``, and whether it was decided afresh (False: remembered).
+    """The report for a request, and whether it was decided afresh (False: remembered).
 
-    The engine behind :func:`probe`, :func:`make_mirrored_strategy` and the CLI;
-    internal (its request comes from ``_request``). Raises ``NoWorkingBackendError``.
+    The engine behind :func:`probe`, :func:`make_mirrored_strategy` and the CLI
+    (internal: not part of the public API). ``cache=False`` neither reads nor
+    writes cached NCCL verdicts, ``refresh=True`` ignores them (and what this
+    process remembers); ``on_result`` sees each candidate's result as it comes.
+    Raises ``ValueError`` for bad input, ``NoWorkingBackendError`` when nothing works.
     """
+    return _decide(_request(devices, backend, timeout, cache, refresh), on_result)
+
+
+def _decide(
+    request: _Request, on_result: Optional[Callable[[CandidateResult], None]]
+) -> Tuple[Report, bool]:
     if _tf.tf_version() is None:
         raise ImportError(_tf.INSTALL_HINT)
     tf = _tf.import_tf()
@@ -213,7 +228,7 @@ def probe(
     ``.report``) when no candidate works and ``ValueError`` for bad settings
     or devices TensorFlow does not have.
     """
-    return decide(_request(devices, backend, timeout))[0]
+    return decide(devices, backend=backend, timeout=timeout)[0]
 
 
 def last_report() -> Optional[Report]:
@@ -261,7 +276,7 @@ def make_mirrored_strategy(
         strategy = build_strategy(tf, era, devices, **kwargs)
         report = _own_ops_report(tf.__version__, strategy, own_ops)
     else:
-        report, fresh = decide(request)
+        report, fresh = _decide(request, None)
         _log(report, request.setting, fresh)
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         if chosen is not None and chosen.remedy:

@@ -70,6 +70,7 @@ class Fake:
         self.log = tmp_path / "starts"
         monkeypatch.setenv("FAKE_WORKER_PIDFILE", str(self.pidfile))
         monkeypatch.setenv("FAKE_WORKER_LOG", str(self.log))
+        monkeypatch.setenv("FAKE_WORKER_ROOT", str(ROOT))  # for copies of the fake elsewhere
 
     def __call__(self, behaviour):
         """Set how the fake probe process behaves (see fake_worker.py); returns the pidfile."""

@@ -24,6 +24,10 @@ import os
 import sys
 import time
 
+# The safestrategy under test (this checkout), not a copy installed in site-packages.
+here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.environ.get("FAKE_WORKER_ROOT", here))
+
 behaviour = os.environ.get("FAKE_WORKER", "ok")
 if os.environ.get("FAKE_WORKER_PIDFILE"):
     with open(os.environ["FAKE_WORKER_PIDFILE"], "w") as pidfile:

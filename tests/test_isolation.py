@@ -51,7 +51,7 @@ def nccl_result(fake, behaviour, **kwargs):
 def test_a_hanging_check_is_abandoned_at_the_timeout_and_its_process_is_gone(fake):
     started = time.monotonic()
     result = nccl_result(fake, "hang", timeout=1)
-    assert (result.name, result.status) == ("nccl", "timeout")
+    assert (result.name, result.status) == ("nccl", "timeout"), result
     assert "no answer within 1 s" in result.reason
     assert time.monotonic() - started < 10
     assert gone(int(fake.pidfile.read_text()))

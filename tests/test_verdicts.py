@@ -77,7 +77,7 @@ def test_refresh_and_cache_off(fake, monkeypatch, tmp_path, run_cli):
     fake("ok")
     decide_again()
     factory._decisions.clear()
-    report, _ = factory.decide(factory._request(GPUS, "nccl", None, refresh=True))
+    report, _ = factory.decide(CPUS, backend="nccl", refresh=True)
     assert not report.candidates[0].cached
     assert len(fake.starts()) == 2
     monkeypatch.setenv("SAFESTRATEGY_CACHE", "off")
