@@ -5,6 +5,7 @@ missing), 2 bad arguments or bad ``SAFESTRATEGY_*`` values.
 """
 
 import argparse
+import contextlib
 import sys
 from typing import List, Optional, Sequence
 
@@ -61,7 +62,8 @@ def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
     """
     cpus = max([d.index + 1 for d in devices or () if d.kind == "CPU"] or [1])
     if cpus > 1 and (_tf.tf_version() or "").startswith("2."):
-        _tf.configure_logical_cpus(_tf.import_tf(), cpus)
+        with contextlib.suppress(RuntimeError):  # already started: the devices are what they are
+            _tf.configure_logical_cpus(_tf.import_tf(), cpus)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -65,3 +65,28 @@ def test_exit_2_on_bad_arguments_or_environment(run_cli, args, env, message):
     assert done.returncode == 2
     assert message in done.stderr
     assert done.stdout == "" or "checking" in done.stdout
+
+
+def test_the_report_shows_cached_verdicts_and_refresh_checks_again(fake, capsys):
+    from safestrategy import cli
+
+    fake("ok")
+    args = ["--devices", "/cpu:0", "/cpu:1", "--backend", "nccl"]
+    assert cli.main(args) == 0
+    assert "checking all-reduce backends (NCCL in a probe process)" in capsys.readouterr().out
+    safestrategy_decisions_clear()
+    assert cli.main(args) == 0
+    assert "  nccl               ok         cached  all 2 replicas" in capsys.readouterr().out
+    safestrategy_decisions_clear()
+    assert cli.main([*args, "--refresh"]) == 0
+    assert " cached " not in capsys.readouterr().out
+    safestrategy_decisions_clear()
+    assert cli.main([*args, "--no-cache"]) == 0
+    assert len(fake.starts()) == 3
+
+
+def safestrategy_decisions_clear():
+    """What a new ``python -m safestrategy`` process would remember: nothing."""
+    from safestrategy import factory
+
+    factory._decisions.clear()

@@ -106,6 +106,27 @@ def test_an_unusable_interpreter_is_a_reason_not_a_raw_exception(fake, monkeypat
     assert result.status == "failed" and "could not start" in result.reason and why in result.reason
 
 
+def test_an_interpreter_that_does_not_exist_is_a_reason(fake, monkeypatch):
+    monkeypatch.setattr(_probe, "WORKER_COMMAND", None)
+    monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python3")
+    result = nccl_result(fake, "ok")
+    assert result.status == "failed" and "FileNotFoundError" in result.reason
+
+
+def test_the_last_output_of_a_crash_skips_tensorflows_banner():
+    stderr = [
+        "Traceback (most recent call last):",
+        "RuntimeError: CUDA driver version is insufficient for CUDA runtime version",
+        "2026-11-30 10:00:00.123456: W tensorflow/stream_executor/platform/default/dso_loader.cc",
+        "E0000 00:00:1796029686.266921 7134 cuda_dnn.cc:8579] Unable to register cuDNN factory",
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+        "",
+    ]
+    assert _probe.useful_last_line(stderr) == stderr[1]
+    assert _probe.useful_last_line(stderr[2:]) == stderr[4]
+    assert _probe.useful_last_line([]) == ""
+
+
 def test_a_frozen_application_does_not_start_itself_again(fake, monkeypatch):
     monkeypatch.setattr(_probe, "WORKER_COMMAND", None)
     monkeypatch.setattr(sys, "frozen", True, raising=False)

@@ -138,3 +138,21 @@ def test_the_strategy_class_matches_the_tf_era(tf1):
     strategy = safestrategy.make_mirrored_strategy(cpus(2), backend="reduce_to_cpu")
     module = tf1.contrib.distribute if contrib(tf1) else tf1.distribute
     assert isinstance(strategy, module.MirroredStrategy)
+
+
+def test_cpu_sets_are_checked_here_without_a_probe_process(tf1, monkeypatch):
+    from safestrategy import _probe
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a probe process was started")
+
+    monkeypatch.setattr(_probe, "ProbeProcess", refuse)
+    assert safestrategy.probe(cpus(3)).backend == "reduce_to_cpu"
+
+
+def test_gpu_sets_are_checked_in_the_probe_process_so_no_session_fixes_gpu_options(tf1, fake):
+    # A tf.Session made here would fix the process-wide GPU options before the caller's.
+    fake("ok")
+    report = safestrategy.probe(["/gpu:0", "/gpu:1"], backend="hierarchical_copy,reduce_to_cpu")
+    assert (report.backend, report.candidates[0].status) == ("hierarchical_copy", "ok")
+    assert fake.starts() == ["start"]  # the fake probe process answered, not this process
