@@ -302,3 +302,45 @@ def test_other_reductions_still_have_no_gradient(tf, tf_nccl, mode, name):  # no
     assert issubclass(ours, LookupError) or mode == "function"
     if mode != "eager":  # eagerly TensorFlow's NCCL op cannot run here to be differentiated
         assert ours == raised(tf_nccl)
+
+
+def test_variables_as_inputs_keep_their_gradients_and_placement(tf, mode):  # noqa: F811
+    """Variables passed straight in (not read first) still work through the custom gradient."""
+    arrays = inputs(2)
+
+    def build(variables):
+        if mode == "graph":
+            out = nccl_ops.all_sum(variables)
+            grads = compat_v1(tf).gradients(weighted_loss(tf, out, arrays), variables)
+        else:
+            with tf.GradientTape() as tape:
+                out = nccl_ops.all_sum(variables)
+                loss = weighted_loss(tf, out, arrays)
+            grads = tape.gradient(loss, variables)
+        assert [g.device for g in grads] == [v.device for v in variables]
+        return out + grads
+
+    def make_variables():
+        v1 = compat_v1(tf)
+        variables = []
+        for i, (device, array) in enumerate(zip(cpus(2), arrays)):
+            with tf.device(device):
+                if mode == "graph":
+                    variables.append(v1.get_variable(f"v{i}", initializer=array))
+                else:
+                    variables.append(tf.Variable(array))
+        return variables
+
+    if mode == "graph":
+        with tf.Graph().as_default():
+            variables = make_variables()
+            fetches = build(variables)
+            with session(tf, 2) as sess:
+                sess.run(compat_v1(tf).global_variables_initializer())
+                values = sess.run(fetches)
+    else:
+        variables = make_variables()
+        fetches = tf.function(build)(variables) if mode == "function" else build(variables)
+        values = [t.numpy() for t in fetches]
+    for value in values:  # the outputs, and the gradients (the weights are the inputs)
+        np.testing.assert_allclose(value, arrays[0] + arrays[1], rtol=1e-6)
