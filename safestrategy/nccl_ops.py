@@ -37,12 +37,21 @@ mixed dtypes or shapes are a ``ValueError``. Zero-sized tensors, which NCCL
 has no use for, always take the equivalent. ``broadcast`` always does too
 (see its docstring).
 
+NumPy inputs are taken as TensorFlow's take them: an array without a
+``device`` attribute (NumPy < 2) raises TensorFlow's ``AttributeError``; one
+with a device (NumPy 2: ``"cpu"``) becomes a constant there, so on CPUs the
+equivalent sums it, and ``reduce_sum`` raises TensorFlow's ``ValueError``
+(``"cpu"`` is never the current device).
+
 Importing this module imports no TensorFlow. TensorFlow's ``nccl_ops`` is
 imported on first use, which registers its gradients for the ``Nccl*`` ops
 (once: registering them again would raise ``KeyError``); the equivalent is
-made of ordinary ops and is differentiated by TensorFlow as usual, with the
-same gradients as NCCL's (and, like NCCL's, none for ``all_prod``,
-``all_min`` and ``all_max``: asking raises ``LookupError``).
+made of ordinary ops with the same gradients as NCCL's, placed as NCCL's:
+the gradient of input *i* is on input *i*'s device (summed where the forward
+sum is, then copied back), in graph mode with or without
+``colocate_gradients_with_ops``, eagerly and in ``tf.function``. Like NCCL's,
+``all_prod``, ``all_min`` and ``all_max`` have none: asking raises
+``LookupError``.
 """
 
 import logging
@@ -125,13 +134,16 @@ def reduce_sum(tensors: Sequence[Any]) -> Any:
     """
     if not tensors:
         raise ValueError("Must pass >0 tensors to reduce operations")
-    tensors = _checked(tensors, "reduce_sum")
+    given = list(tensors)
+    tensors = _checked(given, "reduce_sum")
     tf = import_tf()
     if not tf.executing_eagerly() and _decision(tensors).nccl:
-        return _tf_nccl_ops().reduce_sum(tensors)
+        return _tf_nccl_ops().reduce_sum(given)
     with tf.name_scope("reduce_sum"):
         result = tf.add_n(tensors) if len(tensors) > 1 else tf.identity(tensors[0])
-    if not any(t.device == result.device for t in tensors):
+    # TensorFlow compares the devices of the inputs as given: a NumPy array's
+    # device ("cpu") is never the current device, so NumPy inputs raise here.
+    if not any(t.device == result.device for t in given):
         raise ValueError("One input tensor must be assigned to current device")
     return result
 
@@ -161,60 +173,144 @@ def _tf_nccl_ops() -> Any:
 
 
 def _checked(tensors: Sequence[Any], function: str) -> List[Any]:
-    """``tensors`` as a list, checked as TensorFlow checks them and then some.
+    """``tensors`` as a list of tensors, checked as TensorFlow checks them and then some.
 
-    Device and dtype errors are TensorFlow's own (``ValueError``, ``TypeError``).
-    Mixed dtypes or shapes, which NCCL would not notice before reading the
-    wrong number of bytes, are a ``ValueError`` here.
+    First TensorFlow's checks, in its order and with its errors: each input's
+    device (``ValueError``; ``AttributeError`` for an input without a
+    ``device``, such as a NumPy array before NumPy 2), then its conversion
+    and dtype (``TypeError``). NumPy inputs that have a device (NumPy 2:
+    ``"cpu"``) become constants on it, as TensorFlow's ops convert them.
+    Eagerly, TensorFlow's ``all_*`` check inside the ``tf.function`` they wrap
+    their ops in, which rewrites the message; there, where a check fails,
+    theirs is called to raise its own error (it fails while the function is
+    traced, before any op runs). Then ours: mixed dtypes or shapes, which NCCL
+    would not notice before reading the wrong number of bytes, are a
+    ``ValueError``.
     """
     tensors = list(tensors)
-    check_device = _tf_nccl_ops()._check_device
-    for tensor in tensors:
-        check_device(tensor)
-    first = tensors[0]
-    for index, tensor in enumerate(tensors):
-        dtype = tensor.dtype.base_dtype.name
-        if dtype not in NCCL_DTYPES:
-            raise TypeError(
-                f"Value passed to parameter 'input' has DataType {dtype} not in list of "
-                f"allowed values: {', '.join(NCCL_DTYPES)}"
-            )
-        if tensor.dtype.base_dtype != first.dtype.base_dtype:
+    tf_nccl_ops = _tf_nccl_ops()
+    converted = []
+    try:
+        if function == "reduce_sum":  # theirs checks every device, then converts the list
+            for tensor in tensors:
+                tf_nccl_ops._check_device(tensor)
+        for tensor in tensors:
+            if function != "reduce_sum":  # theirs checks and builds one input at a time
+                tf_nccl_ops._check_device(tensor)
+            tensor = _as_tensor(tensor)
+            dtype = tensor.dtype.base_dtype.name
+            if dtype not in NCCL_DTYPES:
+                raise TypeError(
+                    f"Value passed to parameter 'input' has DataType {dtype} not in list of "
+                    f"allowed values: {', '.join(NCCL_DTYPES)}"
+                )
+            converted.append(tensor)
+    except (AttributeError, TypeError, ValueError):
+        if function.startswith("all_") and import_tf().executing_eagerly():
+            getattr(tf_nccl_ops, function)(tensors)
+        raise
+    first = converted[0]
+    for index, tensor in enumerate(converted):
+        dtype = tensor.dtype.base_dtype
+        if dtype != first.dtype.base_dtype:
             raise ValueError(
                 f"{function} needs tensors of one dtype: tensor 0 is "
-                f"{first.dtype.base_dtype.name} but tensor {index} is {dtype}"
+                f"{first.dtype.base_dtype.name} but tensor {index} is {dtype.name}"
             )
         if not tensor.shape.is_compatible_with(first.shape):
             raise ValueError(
                 f"{function} needs tensors of one shape: tensor 0 has shape {first.shape} "
                 f"but tensor {index} has shape {tensor.shape}"
             )
-    return tensors
+    return converted
+
+
+def _as_tensor(value: Any) -> Any:
+    """``value``, or for a NumPy array or scalar a constant on its ``device``.
+
+    TensorFlow's ops convert NumPy inputs inside ``tf.device(value.device)``;
+    this does the same, so the constant (and result) lands where theirs would.
+    """
+    import numpy as np
+
+    if not isinstance(value, (np.ndarray, np.generic)):
+        return value
+    tf = import_tf()
+    with tf.device(value.device):
+        return tf.convert_to_tensor(value)
 
 
 def _apply_all_reduce(reduction: str, tensors: Sequence[Any]) -> List[Any]:
     """``all_<reduction>`` of ``tensors``: NCCL or reduce-and-copy, as decided for their devices."""
     if not tensors:
         raise ValueError("Must pass >0 tensors to all reduce operations")
-    tensors = _checked(tensors, f"all_{reduction}")
+    given = list(tensors)
+    tensors = _checked(given, f"all_{reduction}")
     decision = _decision(tensors)
     if decision.nccl:
-        return getattr(_tf_nccl_ops(), f"all_{reduction}")(tensors)
+        return getattr(_tf_nccl_ops(), f"all_{reduction}")(given)
     tf = import_tf()
+    reduce_on = decision.reduce_on or tensors[0].device
     # Eagerly, ops run one by one: unlike NCCL's, these need no tf.function
     # around them (TensorFlow's wraps and retraces a new one on every call).
     with tf.name_scope(f"all_{reduction}"):
-        with tf.device(decision.reduce_on or tensors[0].device):
-            if reduction == "sum":
-                total = tf.add_n(tensors)
-            else:
-                reduce = {"prod": tf.reduce_prod, "min": tf.reduce_min, "max": tf.reduce_max}
-                total = _no_gradient(reduce[reduction](tf.stack(tensors), axis=0))
+        if reduction == "sum":
+            totals = _sum(tensors, reduce_on)
+        else:
+            reduce = {"prod": tf.reduce_prod, "min": tf.reduce_min, "max": tf.reduce_max}
+            with tf.device(reduce_on):
+                totals = [_no_gradient(reduce[reduction](tf.stack(tensors), axis=0))]
+            totals *= len(tensors)
         results = []
-        for tensor in tensors:
+        for tensor, total in zip(tensors, totals):
             with tf.device(tensor.device):
                 results.append(tf.identity(total))
     return results
+
+
+def _sum(tensors: Sequence[Any], reduce_on: str) -> List[Any]:
+    """The sum of ``tensors`` on ``reduce_on``, once per input, with NCCL's gradient placement.
+
+    Differentiated as ordinary ops, every input's gradient would be the one
+    gradient of the sum, on ``reduce_on``. NCCL's gradient of input *i* is an
+    all-reduce on input *i*'s device; this gradient mirrors the forward pass:
+    the outputs' gradients are summed on ``reduce_on`` and a copy goes to each
+    input's device, whatever device or colocation scope ``tf.gradients``
+    (``colocate_gradients_with_ops``) or the tape runs it in.
+
+    ``tf.custom_gradient`` passes the results through one op (graph mode: an
+    ``IdentityN`` on a single device), so they come back on ``reduce_on`` and
+    the caller copies each to its input's device.
+    """
+    tf = import_tf()
+    from tensorflow.python.framework import ops
+
+    devices = [tensor.device for tensor in tensors]
+
+    def gradient(*upstream: Any) -> List[Any]:
+        with ops.colocate_with(None, ignore_existing=True):
+            dense = []
+            for device, grad in zip(devices, upstream):
+                if grad is not None:
+                    with tf.device(device):
+                        dense.append(tf.convert_to_tensor(grad))
+            if not dense:  # no output feeds what is differentiated
+                return [None] * len(devices)
+            with tf.device(reduce_on):
+                total = tf.add_n(dense) if len(dense) > 1 else dense[0]
+            grads = []
+            for device in devices:
+                with tf.device(device):
+                    grads.append(tf.identity(total))
+        return grads
+
+    @tf.custom_gradient
+    def sum_with_gradient(*inputs: Any) -> Tuple[List[Any], Callable[..., List[Any]]]:
+        total = tf.add_n(list(inputs))
+        return [total] * len(inputs), gradient
+
+    with tf.device(reduce_on):
+        return list(sum_with_gradient(*tensors))
 
 
 def _no_gradient(tensor: Any) -> Any:
