@@ -7,7 +7,7 @@ new one.
 
 Protocol, one JSON object per line on stdout, each behind ``_probe.PREFIX``
 (anything else there is ignored): the argument is ``{"job": "mirrored",
-"devices": [...] or null, "parent": pid}``; the worker first writes
+"devices": [...], "parent": pid}``; the worker first writes
 ``{"facts": {...}}``, then answers each ``{"check": NAME}`` read from stdin
 with ``{"values": [[device, [floats]], ...]}`` (every replica's all-reduced
 value) or ``{"error": [type, first line]}``. Whatever else is printed to
@@ -80,51 +80,36 @@ def connect(request: Dict[str, Any]) -> Tuple[Send, "queue.Queue[str]"]:
     return send, _watch_stdin()
 
 
-def _configure_tf2(tf: Any, cpus: int) -> int:
-    """Logical CPUs as the device names need, GPU memory growth; returns the GPU count."""
-    gpus = list_physical_devices(tf, "GPU")
-    for gpu in gpus:  # take only what the tiny all-reduce needs, and give it back on exit
+def _configure_tf2(tf: Any, cpus: int) -> None:
+    """Logical CPUs as the device names need, and GPU memory growth."""
+    for gpu in list_physical_devices(tf, "GPU"):
+        # take only what the tiny all-reduce needs, and give it back on exit
         tf.config.experimental.set_memory_growth(gpu, True)
     if cpus > 1:
         configure_logical_cpus(tf, cpus)
-    return len(gpus)
-
-
-def _gpu_count_tf1(config: Any) -> int:
-    from tensorflow.python.client import device_lib
-
-    return sum(1 for d in device_lib.list_local_devices(config) if d.device_type == "GPU")
 
 
 class Checker:
     """Holds TensorFlow and the devices; runs one smoke all-reduce per request."""
 
-    def __init__(self, devices: Optional[Sequence[Device]]) -> None:
+    def __init__(self, devices: Sequence[Device]) -> None:
         self.tf = import_tf()
         self.era = era(self.tf.__version__)
-        cpus = max([d.index + 1 for d in devices or () if d.kind == "CPU"] or [1])
+        cpus = max([d.index + 1 for d in devices if d.kind == "CPU"] or [1])
         if self.tf.__version__.startswith("2."):
             self.config = None
-            gpus = _configure_tf2(self.tf, cpus)
+            _configure_tf2(self.tf, cpus)
         else:
             self.config = session_config(self.tf, cpus, gpus=True)
-            gpus = _gpu_count_tf1(self.config)
-        default = [f"/device:GPU:{i}" for i in range(gpus)] or ["/device:CPU:0"]
-        self.devices = [str(d) for d in devices] if devices else default
-        self.facts = {
-            "tf_version": self.tf.__version__,
-            "devices": self.devices,
-            "gpus": gpus,
-            "nccl_kernels": nccl_kernel_count(self.tf),
-        }
+        self.devices = [str(d) for d in devices]
+        self.facts = {"tf_version": self.tf.__version__, "nccl_kernels": nccl_kernel_count(self.tf)}
 
     def all_reduce(self, name: str) -> Any:
         return all_reduce(self.tf, self.era, self.devices, name, self.config)
 
 
 def _mirrored(request: Dict[str, Any], send: Send, requests: "queue.Queue[str]") -> int:
-    devices = parse_devices(request["devices"]) if request.get("devices") else None
-    checker = Checker(devices)
+    checker = Checker(parse_devices(request["devices"]))
     send({"facts": checker.facts})
     while True:  # until the parent closes stdin: the watchdog then ends the process
         name = json.loads(requests.get())["check"]

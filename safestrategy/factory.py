@@ -78,6 +78,7 @@ class _Checks:
             cpus = max([d.index + 1 for d in devices if d.kind == "CPU"] or [1])
             self.config = session_config(tf, cpus, gpus=False)
         self.process: Optional[_probe.ProbeProcess] = None
+        self.start_failure = ""  #: why the probe process could not start, once it could not
 
     def __call__(self, name: str) -> CandidateResult:
         if name == _nccl.NCCL:
@@ -89,13 +90,15 @@ class _Checks:
         return smoke_check(self.tf, self.era, self.names, name, self.config)
 
     def _in_probe_process(self, name: str) -> CandidateResult:
-        if self.process is None:
+        if self.process is None and not self.start_failure:
             try:
                 self.process, _ = _probe.start(
                     {"job": "mirrored", "devices": self.names}, self.opts.timeout
                 )
             except _probe.ProbeDied as error:
-                return CandidateResult(name, FAILED, f"the probe process {error}")
+                self.start_failure = f"the probe process {error}"
+        if self.process is None:
+            return CandidateResult(name, FAILED, self.start_failure)
         result = _probe.check(self.process, name, len(self.devices), self.opts.timeout)
         if result.status != OK:  # a fresh process for the next: CUDA may be poisoned
             self.close()
