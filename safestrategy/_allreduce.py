@@ -56,6 +56,14 @@ def from_reply(name: str, reply: Any, replicas: int, seconds: float) -> Candidat
     return CandidateResult(name, FAILED, reason, round(seconds, 3))
 
 
+def graph_api(tf: Any) -> Optional[Any]:
+    """The TF1-style API when this process builds graphs (TF 1.x, or TF2 with eager
+    execution disabled, e.g. through ``tf.compat.v1.disable_v2_behavior()``); None when eager."""
+    if not tf.__version__.startswith("2."):
+        return tf
+    return None if tf.executing_eagerly() else tf.compat.v1
+
+
 def session_config(tf: Any, cpus: int, gpus: bool) -> Any:
     """TF1: ``cpus`` CPU devices, soft placement off; no GPU at all unless ``gpus``.
 
@@ -129,8 +137,9 @@ def _graph_all_reduce(tf: Any, era: str, strategy: Any, config: Any) -> Values:
             result = strategy.extended.call_for_each_replica(replica_fn)
         unwrap = getattr(strategy, "experimental_local_results", None) or strategy.unwrap
         tensors = list(unwrap(result))
-    with tf.Session(config=config) as session:
-        values = session.run(tensors)
+    session = tf.Session if hasattr(tf, "Session") else tf.compat.v1.Session  # TF2: graph mode
+    with session(config=config) as running:
+        values = running.run(tensors)
     return [(t.device, v.tolist()) for t, v in zip(tensors, values)]
 
 

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 from . import _nccl, _probe, _tf, choose
-from ._allreduce import session_config, smoke_check
+from ._allreduce import graph_api, session_config, smoke_check
 from ._devices import Device, parse_devices, require_existing
 from ._env import Setting, resolve_backend
 from .backends import build_cross_device_ops, build_strategy, get_backend
@@ -73,10 +73,11 @@ class _Checks:
         self.era = _tf.era(tf.__version__)
         self.names = [str(device) for device in devices]
         self.gpu = any(device.kind == "GPU" for device in devices)
+        self.graph = graph_api(tf)  # None: eager, else the TF1 API for graphs and sessions
         self.config = None
-        if not tf.__version__.startswith("2."):
+        if self.graph is not None:
             cpus = max([d.index + 1 for d in devices if d.kind == "CPU"] or [1])
-            self.config = session_config(tf, cpus, gpus=False)
+            self.config = session_config(self.graph, cpus, gpus=False)
         self.process: Optional[_probe.ProbeProcess] = None
         self.start_failure = ""  #: why the probe process could not start, once it could not
 

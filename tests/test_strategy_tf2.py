@@ -258,3 +258,24 @@ def test_unknown_keyword_arguments_are_refused_before_any_check(tf2, monkeypatch
     no_checks(monkeypatch)
     with pytest.raises(TypeError, match=r"unexpected keyword argument.*cross_devices_ops"):
         safestrategy.make_mirrored_strategy(cpus(2), cross_devices_ops=None)
+
+
+GRAPH_MODE = """
+import tensorflow as tf
+import safestrategy
+from safestrategy._tf import configure_logical_cpus
+
+configure_logical_cpus(tf, 3)
+tf.compat.v1.disable_eager_execution()  # TF1-style code on TF2
+strategy = safestrategy.make_mirrored_strategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+report = safestrategy.last_report()
+print(report.backend, type(strategy).__name__, [c.status for c in report.candidates])
+"""
+
+
+def test_tf1_style_graph_mode_on_tf2_is_checked_in_a_session(tf2):
+    done = run_python("-c", GRAPH_MODE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    backend, cls, statuses = done.stdout.splitlines()[-1].split(" ", 2)
+    assert cls == "MirroredStrategy" and "ok" in statuses
+    assert backend in ("hierarchical_copy", "reduce_to_cpu")
