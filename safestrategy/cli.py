@@ -1,13 +1,17 @@
 """The command line: the probe report for this machine, as text or JSON.
 
+With ``TF_CONFIG`` set it shows the multi-worker view (:mod:`safestrategy._mw_cli`).
+
 Exit status: 0 a working backend was found, 1 none was (or TensorFlow is
 missing), 2 bad arguments or bad ``SAFESTRATEGY_*`` values.
 """
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
+from ._cluster import ENV_TF_CONFIG
 from ._env import (
     DEFAULT_TIMEOUT,
     ENV_BACKEND,
@@ -53,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if os.environ.get(ENV_TF_CONFIG, "").strip():  # TensorFlow's own variable: multi-worker
+        from . import _mw_cli
+
+        return _mw_cli.main(args)
 
     def progress(result: CandidateResult) -> None:
         print(result.line(), flush=True)
