@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+PREFIX = "@safestrategy@ "  # safestrategy._probe.PREFIX: marks protocol lines
 config = json.loads(os.environ["TF_CONFIG"])
 index = config["task"]["index"]
 workers = len(config["cluster"]["worker"])
@@ -24,7 +25,7 @@ if setting == "p2p":
 if behaviour == "die-at-start":
     print("fake: cannot load libnccl.so.2", file=sys.stderr, flush=True)
     sys.exit(3)
-print(json.dumps({"facts": {"tf_version": "2.99.0", "gpus": 2}}), flush=True)
+print(PREFIX + json.dumps({"facts": {"tf_version": "2.99.0", "gpus": 2}}), flush=True)
 replicas = 2 * workers
 for _request in sys.stdin:
     if behaviour == "hang":
@@ -33,4 +34,4 @@ for _request in sys.stdin:
         os.abort()
     total = replicas * (replicas + 1) / 2 - (1 if behaviour == "wrong" else 0)
     values = [[f"/job:worker/task:{index}/device:GPU:{i}", [total] * 4] for i in range(2)]
-    print(json.dumps({"values": values, "replicas": replicas}), flush=True)
+    print(PREFIX + json.dumps({"values": values, "replicas": replicas}), flush=True)
