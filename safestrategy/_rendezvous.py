@@ -27,6 +27,7 @@ raises :class:`MissingWorkersError` naming the workers not heard from.
 
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -86,7 +87,8 @@ class Rendezvous:
         family = socket.AF_INET6 if ":" in self.me.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if os.name == "posix":  # on Windows it would let another socket steal the port
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind(("", self.me.port))
             listener.listen(64)
         except OSError as error:

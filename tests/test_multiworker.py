@@ -55,6 +55,8 @@ def tf_configs(n, ports=None):
 
 def no_children_left():
     """True when this process has no child process (no probe process outlived its check)."""
+    if not hasattr(os, "WNOHANG"):  # Windows: no way to ask; the probe's own tests cover it
+        return True
     try:
         os.waitpid(-1, os.WNOHANG)
     except ChildProcessError:
