@@ -8,6 +8,7 @@ Importing this package imports no TensorFlow and touches no device.
 
 from .backends import BACKEND_NAMES
 from .factory import NoWorkingBackendError, last_report, make_mirrored_strategy, probe
+from .multiworker import make_multiworker_strategy
 from .report import CandidateResult, Report
 
 __version__ = "0.1.0"
@@ -20,5 +21,6 @@ __all__ = [
     "__version__",
     "last_report",
     "make_mirrored_strategy",
+    "make_multiworker_strategy",
     "probe",
 ]

@@ -26,6 +26,7 @@ import sys
 import threading
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+from . import _mw_check
 from ._allreduce import all_reduce, first_line, session_config
 from ._devices import Device, parse_devices
 from ._tf import configure_logical_cpus, era, import_tf, list_physical_devices, nccl_kernel_count
@@ -120,7 +121,7 @@ def _mirrored(request: Dict[str, Any], send: Send, requests: "queue.Queue[str]")
 
 
 #: What a probe process can be asked to do, by the request's "job".
-JOBS = {"mirrored": _mirrored}
+JOBS = {"mirrored": _mirrored, "multiworker": _mw_check.job}
 
 
 def main(argv: Sequence[str]) -> int:

@@ -1,15 +1,19 @@
 """The command line: the probe report for this machine, as text or JSON.
 
+With ``TF_CONFIG`` set it shows the multi-worker view (:mod:`safestrategy._mw_cli`).
+
 Exit status: 0 a working backend was found, 1 none was (or TensorFlow is
 missing), 2 bad arguments or bad ``SAFESTRATEGY_*`` values.
 """
 
 import argparse
 import contextlib
+import os
 import sys
 from typing import List, Optional, Sequence
 
 from . import _tf
+from ._cluster import ENV_TF_CONFIG
 from ._devices import Device, parse_devices
 from ._env import (
     DEFAULT_TIMEOUT,
@@ -68,6 +72,10 @@ def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if os.environ.get(ENV_TF_CONFIG, "").strip():  # TensorFlow's own variable: multi-worker
+        from . import _mw_cli
+
+        return _mw_cli.main(args)
 
     def progress(result: CandidateResult) -> None:
         print(result.line(), flush=True)

@@ -236,8 +236,16 @@ def probe(
 
 
 def last_report() -> Optional[Report]:
-    """The report of the last :func:`make_mirrored_strategy` call, or None."""
+    """The report of the last :func:`make_mirrored_strategy` (or
+    ``make_multiworker_strategy``) call, or None."""
     return _last_report
+
+
+def _set_last_report(report: Report) -> None:
+    """Make ``report`` what :func:`last_report` returns (the multi-worker factory's too)."""
+    global _last_report
+    with _lock:
+        _last_report = report
 
 
 def _check_kwargs(tf: Any, era: str, kwargs: Dict[str, Any]) -> None:

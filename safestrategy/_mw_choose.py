@@ -1,0 +1,172 @@
+"""Pure multi-worker decisions: (setting, every worker's facts and verdicts) -> communication.
+
+Every worker runs these functions on the same messages (see
+:mod:`safestrategy._rendezvous`), so every worker reaches the same answer.
+Nothing here imports TensorFlow or touches the network: each path is tested
+from hand-built inputs.
+"""
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ._env import ENV_COMMUNICATION, Setting
+from ._nccl import NO_KERNELS, REMEDIES
+from .choose import Decision
+from .report import FAILED, NOT_TRIED, OK, SKIPPED, TIMEOUT, CandidateResult
+
+NCCL, RING = "nccl", "ring"
+NO_GPU = "no GPU among the devices"
+RING_REASON = (
+    "not checked in a probe process: RING is TensorFlow's collective over the gRPC "
+    "connections between the workers, which cannot hang on NCCL's P2P/SHM/driver faults"
+)
+
+#: Facts each worker sends in the first round (its "hello").
+Hello = Mapping[str, Any]
+
+
+def disagreement(hellos: Mapping[str, Hello]) -> Optional[str]:
+    """Why the workers cannot agree (different TF_CONFIG clusters or settings), or None."""
+    for field, what in (
+        ("cluster", "the cluster in TF_CONFIG"),
+        ("setting", f"the communication setting (communication= or {ENV_COMMUNICATION})"),
+    ):
+        values = {task: hello.get(field) for task, hello in hellos.items()}
+        if len({repr(value) for value in values.values()}) > 1:
+            each = "; ".join(f"{task}: {value}" for task, value in sorted(values.items()))
+            return (
+                f"the workers disagree on {what}, so they cannot make the same choice: {each}. "
+                "Give every worker the same"
+            )
+    return None
+
+
+def gate(setting: Setting, hellos: Mapping[str, Hello]) -> Optional[CandidateResult]:
+    """NCCL's result when it is known without running it, or None: run the check.
+
+    Workers without GPUs: NCCL there proves nothing (TensorFlow quietly runs RING
+    underneath), so ``auto`` skips it and a listed or forced ``nccl`` fails.
+    """
+    without = sorted(task for task, hello in hellos.items() if not hello.get("gpus"))
+    if without:
+        have = "has" if len(without) == 1 else "have"
+        reason = f"{NO_GPU} ({', '.join(without)} {have} none)"
+        return CandidateResult(NCCL, SKIPPED if setting.mode == "auto" else FAILED, reason)
+    kernels = sorted(task for task, hello in hellos.items() if hello.get("nccl_kernels") == 0)
+    if kernels:
+        return CandidateResult(NCCL, FAILED, f"{NO_KERNELS} (on {', '.join(kernels)})")
+    return None
+
+
+def expected_replicas(hellos: Mapping[str, Hello]) -> int:
+    """The replicas MultiWorkerMirroredStrategy makes: one per GPU on every worker."""
+    return sum(int(hello.get("gpus") or 0) for hello in hellos.values())
+
+
+def remedy_attempts(hellos: Mapping[str, Hello]) -> List[Dict[str, str]]:
+    """The environments to try NCCL's check in, in order: none, then each remedy.
+
+    A remedy is tried only when every worker allows remedies
+    (``SAFESTRATEGY_NCCL_REMEDIES``) and no worker's user set its variable.
+    """
+    attempts: List[Dict[str, str]] = [{}]
+    if all(hello.get("remedies", True) for hello in hellos.values()):
+        taken = {name for hello in hellos.values() for name in hello.get("user_nccl") or ()}
+        attempts.extend({name: value} for name, value in REMEDIES if name not in taken)
+    return attempts
+
+
+def combine(
+    verdicts: Mapping[str, Mapping[str, Any]], remedy: Mapping[str, str]
+) -> CandidateResult:
+    """One result from every worker's verdict on the same attempt: ok only if all passed."""
+    results = {task: CandidateResult(**verdict) for task, verdict in verdicts.items()}
+    seconds = max((r.seconds for r in results.values()), default=0.0)
+    bad = {task: r for task, r in sorted(results.items()) if r.status != OK}
+    if not bad:
+        return CandidateResult(
+            NCCL,
+            OK,
+            f"the cross-worker all-reduce summed right on all {len(results)} workers",
+            seconds,
+            remedy=dict(remedy),
+        )
+    status = TIMEOUT if any(r.status == TIMEOUT for r in bad.values()) else FAILED
+    reason = "; ".join(f"{task}: {r.status}: {r.reason}" for task, r in bad.items())
+    return CandidateResult(NCCL, status, reason, seconds)
+
+
+def remediable(result: CandidateResult) -> bool:
+    """A hang, a crash or an NCCL error: not a missing kernel, which no variable fixes."""
+    return result.status in (FAILED, TIMEOUT) and "No OpKernel was registered" not in result.reason
+
+
+def with_remedies(
+    first: CandidateResult, later: Sequence[Tuple[Mapping[str, str], CandidateResult]]
+) -> CandidateResult:
+    """The verdict after the remedies (environment, result): the first that passed, else
+    the first failure, saying what was also tried."""
+    seconds = round(first.seconds + sum(result.seconds for _, result in later), 3)
+    tried = [f"{name}={value}" for env, _ in later for name, value in env.items()]
+    for env, result in later:
+        if result.status == OK:
+            ((name, value),) = env.items()
+            reason = (
+                f"passed with {name}={value} on every worker, after it {first.status} "
+                f"without: {first.reason}"
+            )
+            return result._replace(reason=reason, seconds=seconds, remedy=dict(env))
+    if not later:
+        return first
+    return first._replace(
+        reason=f"{first.reason} (also with {' and with '.join(tried)})", seconds=seconds
+    )
+
+
+def decide(setting: Setting, check: Callable[[str], CandidateResult]) -> Decision:
+    """Walk the setting's names in order, calling ``check(name)`` until one passes."""
+    results: List[CandidateResult] = []
+    chosen = None
+    for name in setting.names:
+        if chosen is not None:
+            results.append(CandidateResult(name, NOT_TRIED, f"{chosen} was chosen"))
+            continue
+        result = check(name)
+        results.append(result)
+        if result.status == OK:
+            chosen = name
+    return Decision(chosen, _why(setting, chosen, results), tuple(results))
+
+
+def _why(setting: Setting, chosen: Optional[str], results: Sequence[CandidateResult]) -> str:
+    if chosen is None:
+        return "no communication passed its check on every worker"
+    if chosen == NCCL:
+        passed = "NCCL's cross-worker all-reduce passed its numeric check on every worker"
+        return f"forced, and {passed}" if setting.mode == "forced" else passed
+    if setting.mode == "forced":
+        return "forced"
+    before = [r for r in results if r.name != chosen and r.status != NOT_TRIED]
+    if not before:
+        return f"{chosen} first in the list"
+    nccl = before[0]
+    return f"nccl {nccl.status}: {nccl.reason.splitlines()[0] if nccl.reason else ''}"
+
+
+def override_hint(setting: Setting) -> str:
+    """How the caller chooses another communication, given who chose this time."""
+    if setting.source == "argument":
+        return "pass another communication= (e.g. communication='ring')"
+    return f"set {ENV_COMMUNICATION} (e.g. {ENV_COMMUNICATION}=ring) or pass communication="
+
+
+def failure_message(
+    workers: Sequence[str], results: Sequence[CandidateResult], setting: Setting
+) -> str:
+    """The ``NoWorkingBackendError`` message: every candidate and why it failed."""
+    lines = [f"no communication works across the workers {', '.join(workers)}:"]
+    lines.extend(f"  {r.name}: {r.status}: {r.reason}" for r in results)
+    lines.append(
+        f"To choose another, {override_hint(setting)}. Run `python -m safestrategy` on every "
+        "worker (TF_CONFIG set) for the full report."
+    )
+    return "\n".join(lines)

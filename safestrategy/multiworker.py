@@ -1,0 +1,280 @@
+"""make_multiworker_strategy(): the same safety when training outgrows one machine.
+
+Settings and TF_CONFIG in, then the workers agree (:mod:`safestrategy._rendezvous`)
+on facts gathered here without starting TensorFlow's runtime (GPU count, NCCL
+kernel count), NCCL's cross-worker check runs in probe processes
+(:mod:`safestrategy._mw_check`) only when it can mean something, the choice is
+a pure function of what every worker reported (:mod:`safestrategy._mw_choose`),
+and TensorFlow's own ``MultiWorkerMirroredStrategy`` is built with it.
+The design, and what happens when a worker disagrees, dies or never comes,
+is in docs/multiworker.md.
+"""
+
+import inspect
+import logging
+import os
+import platform as _platform
+import socket
+import threading
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+from . import _cluster, _mw_check, _mw_choose, _nccl, _probe, _tf, factory
+from ._cluster import Cluster
+from ._env import (
+    ENV_NCCL_REMEDIES,
+    Setting,
+    resolve_communication,
+    resolve_switch,
+    resolve_timeout,
+)
+from ._rendezvous import MissingWorkersError, Rendezvous
+from .factory import NoWorkingBackendError
+from .report import FAILED, OK, TIMEOUT, CandidateResult, Report
+
+__all__ = ["MissingWorkersError", "make_multiworker_strategy"]
+
+logger = logging.getLogger("safestrategy")
+
+#: How many decisions each task has started in this process: the rendezvous session.
+_sessions: Dict[str, int] = {}
+_lock = threading.Lock()
+
+NO_TF_CONFIG = (
+    "TF_CONFIG is not set: make_multiworker_strategy() needs it to know the workers, e.g. "
+    'TF_CONFIG=\'{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
+    '"task": {"type": "worker", "index": 0}}\' (see docs/multiworker.md). '
+    "On one machine, use make_mirrored_strategy()"
+)
+
+
+class Request(NamedTuple):
+    """A validated multi-worker request: nothing has been probed or imported yet."""
+
+    cluster: Cluster
+    setting: Setting
+    timeout: float  #: seconds for each wait: the workers to start, one NCCL check
+    remedies: bool  #: SAFESTRATEGY_NCCL_REMEDIES
+
+
+def request(communication: Optional[str] = None, timeout: Optional[float] = None) -> Request:
+    """Validate every input (``ValueError``) before anything touches a device or a port."""
+    setting = resolve_communication(communication)
+    seconds = resolve_timeout(timeout)
+    remedies = resolve_switch(ENV_NCCL_REMEDIES)
+    cluster = _cluster.read()
+    if cluster is None:
+        raise ValueError(NO_TF_CONFIG)
+    return Request(cluster, setting, seconds, remedies)
+
+
+def require_tf2() -> str:
+    """The TensorFlow version, if it has MultiWorkerMirroredStrategy for us; else raise."""
+    version = _tf.tf_version()
+    if version is None:
+        raise ImportError(_tf.INSTALL_HINT)
+    if _tf.tf_api(version) != "tf2":
+        raise RuntimeError(
+            f"make_multiworker_strategy() needs TensorFlow 2.x; this is {version}. TF 1.x "
+            "has no MultiWorkerMirroredStrategy for eager training (1.14/1.15 have an "
+            "experimental one that runs only through Estimator or a session the strategy "
+            "configures). On one machine use make_mirrored_strategy(); see "
+            "docs/multiworker.md"
+        )
+    return version
+
+
+def local_facts(tf: Any) -> Dict[str, Any]:
+    """This worker's facts, without starting TensorFlow's runtime (the strategy must be
+    created before any op runs). The one seam tests replace for a GPU count."""
+    return {
+        "gpus": len(_tf.list_physical_devices(tf, "GPU")),
+        "nccl_kernels": _tf.nccl_kernel_count(tf),
+        "tf_version": tf.__version__,
+    }
+
+
+def _free_port(host: str) -> int:
+    """A port free on this machine now, for this worker's probe process."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def _hello(request: Request, facts: Mapping[str, Any]) -> Dict[str, Any]:
+    """What this worker tells the others first."""
+    return {
+        "cluster": [f"{address.task}={address}" for address in request.cluster.workers],
+        "setting": [request.setting.mode, list(request.setting.names)],
+        "gpus": facts.get("gpus"),
+        "nccl_kernels": facts.get("nccl_kernels"),
+        "tf_version": facts.get("tf_version"),
+        "user_nccl": [name for name, _ in _nccl.REMEDIES if name in os.environ],
+        "remedies": request.remedies,
+        "probe_port": _free_port(request.cluster.me.host),
+    }
+
+
+def _nccl_check(
+    rendezvous: Rendezvous, request: Request, hellos: Mapping[str, Any]
+) -> CandidateResult:
+    """NCCL's verdict agreed by every worker: from the facts, or from checks run together."""
+    gated = _mw_choose.gate(request.setting, hellos)
+    if gated is not None:
+        return gated
+    cluster = request.cluster
+    config = _cluster.probe_config(cluster, [hellos[a.task]["probe_port"] for a in cluster.workers])
+    replicas = _mw_choose.expected_replicas(hellos)
+    # A peer's probe process may take its start-up time plus one check: wait for that.
+    wait = max(_probe.STARTUP_TIMEOUT, request.timeout) + request.timeout + 30
+    results: List[Tuple[Dict[str, str], CandidateResult]] = []
+    for number, env in enumerate(_mw_choose.remedy_attempts(hellos)):
+        if results and not _mw_choose.remediable(results[0][1]):
+            break
+        mine, process = _mw_check.attempt(config, replicas, request.timeout, env)
+        logger.debug("cross-worker NCCL check %s: %s %s", env, mine.status, mine.reason)
+        try:  # keep a passing probe process up until every peer has its answer
+            verdicts = rendezvous.exchange(
+                f"nccl-{number}", mine.to_dict(), wait, "waiting for the others' NCCL check"
+            )
+        finally:
+            if process is not None:
+                process.close()
+        results.append((env, _mw_choose.combine(verdicts, env)))
+        if results[-1][1].status == OK:
+            break
+    return _mw_choose.with_remedies(results[0][1], results[1:])
+
+
+def decide(
+    request: Request,
+    facts: Optional[Mapping[str, Any]] = None,
+    on_result: Optional[Callable[[CandidateResult], None]] = None,
+) -> Report:
+    """Agree with every other worker on the communication; the report (nothing is built).
+
+    Raises ``MissingWorkersError`` (a ``TimeoutError``) when a worker does not answer
+    in time, ``ValueError`` when the workers' TF_CONFIG or settings differ, and
+    ``NoWorkingBackendError`` when no communication passes. Every port and probe
+    process this opened is closed when it returns or raises.
+    """
+    if facts is None:
+        facts = local_facts(_tf.import_tf())
+    cluster, setting = request.cluster, request.setting
+    with _lock:
+        session = _sessions[cluster.task] = _sessions.get(cluster.task, 0) + 1
+    with Rendezvous(cluster.me, cluster.peers, session) as rendezvous:
+        hellos = rendezvous.exchange(
+            "hello", _hello(request, facts), request.timeout, "waiting for the other workers"
+        )
+        problem = _mw_choose.disagreement(hellos)
+        if problem is not None:
+            raise ValueError(problem)
+
+        def check(name: str) -> CandidateResult:
+            if name == _mw_choose.RING:
+                result = CandidateResult(name, OK, _mw_choose.RING_REASON)
+            else:
+                result = _nccl_check(rendezvous, request, hellos)
+            if on_result is not None:
+                on_result(result)
+            return result
+
+        decision = _mw_choose.decide(setting, check)
+    gpus = int(facts.get("gpus") or 0)
+    report = Report(
+        backend=decision.backend or "none",
+        source=setting.source,
+        mode=setting.mode,
+        devices=tuple(f"/device:GPU:{i}" for i in range(gpus)) or ("/device:CPU:0",),
+        platform=_probe.system(),
+        tf_version=str(facts.get("tf_version")),
+        tf_api=_tf.tf_api(str(facts.get("tf_version"))),
+        candidates=decision.results,
+        reason=decision.reason,
+        wsl=_probe.is_wsl(),
+        nccl_kernels=facts.get("nccl_kernels"),
+        python=_platform.python_version(),
+        workers=len(cluster.workers),
+        task=cluster.task,
+    )
+    if decision.backend is None:
+        workers = [address.task for address in cluster.workers]
+        raise NoWorkingBackendError(
+            _mw_choose.failure_message(workers, decision.results, setting), report
+        )
+    return report
+
+
+def _log(report: Report, setting: Setting, workers: Sequence[str]) -> None:
+    """One WARNING per fallback, then the choice at INFO."""
+    for failed in (r for r in report.candidates if r.status in (FAILED, TIMEOUT)):
+        logger.warning(
+            "multi-worker communication %s %s across %s (%s); using %s instead. To choose "
+            "yourself, %s.",
+            failed.name,
+            "timed out" if failed.status == TIMEOUT else "failed",
+            ", ".join(workers),
+            failed.reason.strip().splitlines()[0] if failed.reason.strip() else "",
+            report.backend,
+            _mw_choose.override_hint(setting),
+        )
+    logger.info(
+        "using multi-worker communication %s (%s of %d workers): %s",
+        report.backend,
+        report.task,
+        report.workers,
+        report.reason,
+    )
+
+
+def _check_kwargs(tf: Any, kwargs: Mapping[str, Any]) -> None:
+    """``TypeError``/``ValueError`` for keyword arguments we cannot pass on, before probing."""
+    if "cluster_resolver" in kwargs:
+        raise ValueError(
+            "make_multiworker_strategy() reads the cluster from TF_CONFIG, which every "
+            "worker must agree on; cluster_resolver= is not supported: set TF_CONFIG instead"
+        )
+    options = kwargs.get("communication_options")
+    implementation = getattr(options, "implementation", None)
+    if implementation is not None and getattr(implementation, "name", "AUTO") != "AUTO":
+        raise ValueError(
+            "choose the implementation with communication= (or SAFESTRATEGY_COMMUNICATION), "
+            "not CommunicationOptions(implementation=...); its other options are kept"
+        )
+    cls = getattr(tf.distribute, "MultiWorkerMirroredStrategy", None)
+    cls = cls or tf.distribute.experimental.MultiWorkerMirroredStrategy
+    parameters = inspect.signature(cls.__init__).parameters
+    unknown = sorted(set(kwargs) - set(parameters) - {"self"})
+    if unknown:
+        takes = ", ".join(name for name in parameters if name != "self")
+        raise TypeError(
+            f"make_multiworker_strategy() got unexpected keyword argument(s) "
+            f"{', '.join(unknown)}: this TensorFlow's MultiWorkerMirroredStrategy takes {takes}"
+        )
+
+
+def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: Any) -> Any:
+    """TensorFlow's ``MultiWorkerMirroredStrategy``, with a communication every worker agreed on.
+
+    The workers come from ``TF_CONFIG``, as for TensorFlow. The communication is
+    ``communication=``, else ``$SAFESTRATEGY_COMMUNICATION``, else ``auto``: NCCL
+    only when every worker has GPUs and a real cross-worker NCCL all-reduce summed
+    right on every worker, else RING. Other keyword arguments go to the
+    constructor. Every worker must call this (the same number of times); one that
+    does not answer within ``SAFESTRATEGY_PROBE_TIMEOUT`` seconds makes it raise
+    :class:`MissingWorkersError` (a ``TimeoutError``) naming it, on every worker.
+    """
+    require_tf2()
+    req = request(communication)
+    tf = _tf.import_tf()
+    _check_kwargs(tf, kwargs)
+    report = decide(req)
+    workers = [address.task for address in req.cluster.workers]
+    _log(report, req.setting, workers)
+    chosen = next(c for c in report.candidates if c.name == report.backend)
+    if chosen.remedy:
+        _nccl.apply_remedy(chosen.remedy, workers)
+    strategy = _mw_check.build_strategy(tf, report.backend, kwargs)
+    factory._set_last_report(report)
+    return strategy

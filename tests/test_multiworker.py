@@ -1,0 +1,445 @@
+"""make_multiworker_strategy(): TF_CONFIG, the agreement, the cross-worker NCCL check.
+
+Three layers, cheapest first: pure parsing and decisions from hand-built
+facts; workers as threads of this process with the probe process faked
+(tests/fake_mw_worker.py: hangs, crashes, remedies) and the GPU count given;
+and, on TF2 legs, two real worker processes on 127.0.0.1 that train
+(tests/mw_worker.py). Every thread, socket and process has a bound.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import safestrategy
+from safestrategy import _cluster, _mw_choose, _probe, multiworker
+from safestrategy._cluster import Address
+from safestrategy._env import Setting, resolve_communication
+from safestrategy._rendezvous import PROTOCOL, MissingWorkersError, Rendezvous
+from safestrategy.report import CandidateResult
+
+from .conftest import ROOT, run_python
+
+HERE = Path(__file__).resolve().parent
+FAKE_MW = str(HERE / "fake_mw_worker.py")
+GPU_FACTS = {"gpus": 2, "nccl_kernels": 1, "tf_version": "2.99.0"}
+
+
+def free_ports(n):
+    """``n`` distinct ports free on 127.0.0.1 now."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def tf_configs(n, ports=None):
+    ports = ports or free_ports(n)
+    workers = [f"127.0.0.1:{port}" for port in ports]
+    return [
+        json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
+        for i in range(n)
+    ]
+
+
+def no_children_left():
+    """True when this process has no child process (no probe process outlived its check)."""
+    if not hasattr(os, "WNOHANG"):  # Windows: no way to ask; the probe's own tests cover it
+        return True
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+# --- TF_CONFIG --------------------------------------------------------------------------
+
+
+def test_tf_config_lists_chief_then_workers_and_finds_this_task():
+    cluster = _cluster.parse_tf_config(
+        json.dumps(
+            {
+                "cluster": {"worker": ["b:2", "c:3"], "chief": ["a:1"], "evaluator": ["e:9"]},
+                "task": {"type": "worker", "index": 1},
+            }
+        )
+    )
+    assert [a.task for a in cluster.workers] == ["chief:0", "worker:0", "worker:1"]
+    assert cluster.me == Address("worker:1", "c", 3)
+    assert [a.task for a in cluster.peers] == ["chief:0", "worker:0"]
+    ipv6 = '{"cluster": {"worker": ["[::1]:5"]}, "task": {"type": "worker", "index": 0}}'
+    assert str(_cluster.parse_tf_config(ipv6).me) == "[::1]:5"
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("{", "not JSON"),
+        ("[]", "not a JSON object"),
+        ('{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps"}}', 'no "cluster" with'),
+        ('{"cluster": {"worker": ["a"]}, "task": {"type": "worker"}}', "not host:port"),
+        ('{"cluster": {"worker": ["a:0"]}, "task": {"type": "worker"}}', "not host:port"),
+        ('{"cluster": {"worker": ["a:1"]}}', 'no "task"'),
+        ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}', "not in"),
+        ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "evaluator"}}', "does not take part"),
+        ('{"cluster": {"worker": ["a:1", "a:1"]}, "task": {"type": "worker"}}', "same host"),
+    ],
+)
+def test_bad_tf_config_is_a_value_error_quoting_it(text, problem):
+    with pytest.raises(ValueError, match=problem) as error:
+        _cluster.parse_tf_config(text)
+    assert "TF_CONFIG=" in str(error.value)
+
+
+def test_settings_are_validated_before_anything_else(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_configs(1)[0])
+    with pytest.raises(ValueError, match=r"'rng'.*the argument.*auto, nccl, ring"):
+        multiworker.request("rng")
+    monkeypatch.setenv("SAFESTRATEGY_COMMUNICATION", "ring,bogus")
+    with pytest.raises(ValueError, match="SAFESTRATEGY_COMMUNICATION"):
+        multiworker.request()
+    monkeypatch.setenv("SAFESTRATEGY_COMMUNICATION", " RING ")
+    assert multiworker.request().setting == Setting("forced", ("ring",), "env")
+    monkeypatch.delenv("TF_CONFIG")
+    with pytest.raises(ValueError, match="TF_CONFIG is not set"):
+        multiworker.request()
+
+
+# --- the pure decision ------------------------------------------------------------------
+
+
+def hellos(*gpus, kernels=1, **extra):
+    return {
+        f"worker:{i}": {"gpus": n, "nccl_kernels": kernels, **extra} for i, n in enumerate(gpus)
+    }
+
+
+def test_nccl_needs_gpus_on_every_worker_and_kernels():
+    auto, forced = resolve_communication("auto"), resolve_communication("nccl")
+    skipped = _mw_choose.gate(auto, hellos(2, 0))
+    assert (skipped.status, skipped.reason) == (
+        "skipped",
+        "no GPU among the devices (worker:1 has none)",
+    )
+    assert _mw_choose.gate(forced, hellos(0, 0)).status == "failed"
+    assert _mw_choose.gate(resolve_communication("nccl,ring"), hellos(0, 1)).status == "failed"
+    no_kernels = _mw_choose.gate(auto, hellos(1, 1, kernels=0))
+    assert no_kernels.status == "failed" and "0 registered" in no_kernels.reason
+    assert _mw_choose.gate(auto, hellos(1, 4)) is None
+    assert _mw_choose.expected_replicas(hellos(1, 4)) == 5
+
+
+def test_remedies_are_skipped_where_any_user_set_them_or_any_worker_turned_them_off():
+    assert _mw_choose.remedy_attempts(hellos(1, 1, remedies=True, user_nccl=[])) == [
+        {},
+        {"NCCL_P2P_DISABLE": "1"},
+        {"NCCL_SHM_DISABLE": "1"},
+    ]
+    some = hellos(1, 1, remedies=True, user_nccl=[])
+    some["worker:1"]["user_nccl"] = ["NCCL_P2P_DISABLE"]
+    assert _mw_choose.remedy_attempts(some) == [{}, {"NCCL_SHM_DISABLE": "1"}]
+    off = hellos(1, 1, remedies=True)
+    off["worker:0"]["remedies"] = False
+    assert _mw_choose.remedy_attempts(off) == [{}]
+
+
+def test_nccl_is_ok_only_when_every_worker_says_so():
+    ok = CandidateResult("nccl", "ok", "fine", 1.0).to_dict()
+    hung = CandidateResult("nccl", "timeout", "no answer within 5 s", 5.0).to_dict()
+    assert _mw_choose.combine({"worker:0": ok, "worker:1": ok}, {}).status == "ok"
+    result = _mw_choose.combine({"worker:0": ok, "worker:1": hung}, {})
+    assert (result.status, result.reason) == ("timeout", "worker:1: timeout: no answer within 5 s")
+    ring = CandidateResult("ring", "ok", "")
+    decision = _mw_choose.decide(resolve_communication("auto"), {"nccl": result, "ring": ring}.get)
+    assert decision.backend == "ring" and decision.reason.startswith("nccl timeout: worker:1")
+
+
+def test_workers_that_disagree_are_told_so():
+    same = {"cluster": ["worker:0=a:1"], "setting": ["auto", ["nccl", "ring"]]}
+    assert _mw_choose.disagreement({"worker:0": same, "worker:1": dict(same)}) is None
+    other = {**same, "setting": ["forced", ["ring"]]}
+    problem = _mw_choose.disagreement({"worker:0": same, "worker:1": other})
+    assert "disagree on the communication setting" in problem and "worker:1: ['forced'" in problem
+
+
+# --- the rendezvous, as threads ---------------------------------------------------------
+
+
+def rendezvous_threads(n, rounds, timeout=10.0, delays=None, stop_after=None):
+    """Run ``n`` workers' rounds as threads; {task: [round results] or the exception}."""
+    addresses = [Address(f"worker:{i}", "127.0.0.1", p) for i, p in enumerate(free_ports(n))]
+    results = {}
+
+    def worker(i):
+        time.sleep((delays or [0] * n)[i])
+        me = addresses[i]
+        try:
+            with Rendezvous(me, [a for a in addresses if a != me], 1) as rendezvous:
+                got = []
+                for number, name in enumerate(rounds):
+                    if stop_after is not None and stop_after[i] == number:
+                        break  # this worker "dies" here
+                    got.append(rendezvous.exchange(name, {"i": i, "r": name}, timeout, "(test)"))
+                results[me.task] = got
+        except Exception as error:
+            results[me.task] = error
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout * len(rounds) + 30)
+    assert not any(thread.is_alive() for thread in threads)
+    for address in addresses:  # every port is free again
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", address.port))
+    return results, time.monotonic() - started
+
+
+def test_workers_starting_at_different_times_all_get_every_message():
+    results, _ = rendezvous_threads(3, ["hello", "verdict"], delays=[0.6, 0, 0.3])
+    for task in ("worker:0", "worker:1", "worker:2"):
+        hello, verdict = results[task]
+        assert hello == {f"worker:{i}": {"i": i, "r": "hello"} for i in range(3)}
+        assert verdict == {f"worker:{i}": {"i": i, "r": "verdict"} for i in range(3)}
+
+
+def test_a_worker_dying_half_way_makes_the_others_raise_naming_it_within_the_bound():
+    results, elapsed = rendezvous_threads(
+        3, ["hello", "verdict"], timeout=2.0, stop_after=[None, 1, None]
+    )
+    assert len(results["worker:1"]) == 1  # it finished the first round, then "died"
+    for task in ("worker:0", "worker:2"):
+        error = results[task]
+        assert isinstance(error, MissingWorkersError) and isinstance(error, TimeoutError)
+        assert error.missing == ("worker:1",) and error.task == task
+        assert "worker:1 at 127.0.0.1:" in str(error)
+    assert elapsed < 15
+
+
+def test_foreign_traffic_and_stale_sessions_do_not_confuse_it():
+    me, peer = (Address(f"worker:{i}", "127.0.0.1", p) for i, p in enumerate(free_ports(2)))
+    with Rendezvous(me, [peer], session=2) as rendezvous:
+
+        def talk(payload):
+            with socket.create_connection(("127.0.0.1", me.port), 5) as s:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+                return s.makefile("rb").read()
+
+        assert talk(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") == b""  # a gRPC client: hung up on
+        message = {"protocol": PROTOCOL, "from": "worker:1", "to": "worker:0", "round": "hello"}
+        stale = talk((json.dumps({**message, "session": 1, "body": "old"}) + "\n").encode())
+        early = talk((json.dumps({**message, "session": 3, "body": "new"}) + "\n").encode())
+        wrong = talk((json.dumps({**message, "session": 2, "to": "worker:7"}) + "\n").encode())
+        assert json.loads(stale) == {"ack": True}
+        assert json.loads(early)["ack"] is False
+        assert "not worker:7's" in json.loads(wrong)["why"]
+        assert rendezvous._mailbox == {}
+
+
+# --- the factory's decision, workers as threads, the probe process faked ----------------
+
+
+@pytest.fixture
+def fake_mw(monkeypatch):
+    """The fake cross-worker probe (tests/fake_mw_worker.py); returns a function that sets
+    its behaviour."""
+    monkeypatch.setattr(_probe, "WORKER_COMMAND", [sys.executable, FAKE_MW])
+    monkeypatch.setattr(_probe, "STARTUP_TIMEOUT", 10.0)
+    for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "SAFESTRATEGY_NCCL_REMEDIES"):
+        monkeypatch.delenv(name, raising=False)
+    return lambda behaviour: monkeypatch.setenv("FAKE_MW", behaviour)
+
+
+def decide_threads(n, communication=None, timeout=3.0, facts=GPU_FACTS, absent=(), settings=None):
+    """Every worker's ``multiworker.decide`` as a thread: {task: Report or exception}."""
+    configs = tf_configs(n)
+    results = {}
+
+    def worker(i):
+        task = f"worker:{i}"
+        try:
+            request = multiworker.Request(
+                _cluster.parse_tf_config(configs[i]),
+                resolve_communication((settings or [communication] * n)[i]),
+                timeout,
+                True,
+            )
+            results[task] = multiworker.decide(request, facts)
+        except Exception as error:
+            results[task] = error
+
+    threads = [
+        threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n) if i not in absent
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert no_children_left()
+    return results
+
+
+def test_nccl_passing_on_every_worker_is_chosen_by_every_worker(fake_mw):
+    fake_mw("ok")
+    results = decide_threads(2)
+    for task, report in results.items():
+        assert (report.backend, report.workers, report.task) == ("nccl", 2, task)
+        assert (
+            report.candidates[0].reason
+            == "the cross-worker all-reduce summed right on all 2 workers"
+        )
+
+
+@pytest.mark.parametrize(
+    "behaviour, setting, status",
+    [("hang:1", "auto", "timeout"), ("abort:1", "nccl,ring", "failed")],
+)
+def test_nccl_hanging_or_crashing_on_one_worker_ends_in_ring_on_both(
+    fake_mw, behaviour, setting, status
+):
+    fake_mw(behaviour)
+    started = time.monotonic()
+    results = decide_threads(2, setting, timeout=2.0)
+    assert time.monotonic() - started < 60
+    for report in results.values():
+        nccl, ring = report.candidates
+        assert report.backend == "ring" and ring.status == "ok"
+        assert nccl.status == status and nccl.reason.startswith(f"worker:1: {status}: ")
+        assert "also with NCCL_P2P_DISABLE=1 and with NCCL_SHM_DISABLE=1" in nccl.reason
+
+
+def test_a_forced_nccl_that_hangs_is_a_bounded_error_on_both(fake_mw, monkeypatch):
+    fake_mw("hang:0")
+    monkeypatch.setenv("SAFESTRATEGY_NCCL_REMEDIES", "off")
+    started = time.monotonic()
+    results = decide_threads(2, "nccl", timeout=1.0)
+    assert time.monotonic() - started < 30
+    for error in results.values():
+        assert isinstance(error, safestrategy.NoWorkingBackendError)
+        assert "nccl: timeout: worker:0: timeout: no answer within 1 s" in str(error)
+        assert error.report.backend == "none"
+
+
+def test_a_remedy_that_works_is_agreed_by_every_worker(fake_mw):
+    fake_mw("p2p")
+    results = decide_threads(2, "nccl", timeout=1.0)
+    for report in results.values():
+        (nccl,) = report.candidates
+        assert (report.backend, dict(nccl.remedy)) == ("nccl", {"NCCL_P2P_DISABLE": "1"})
+        assert nccl.reason.startswith("passed with NCCL_P2P_DISABLE=1 on every worker")
+
+
+def test_cpu_workers_skip_nccl_in_auto_and_fail_it_when_forced(fake_mw):
+    cpu = {"gpus": 0, "nccl_kernels": 0, "tf_version": "2.99.0"}
+    for report in decide_threads(2, facts=cpu).values():
+        assert report.backend == "ring" and report.candidates[0].status == "skipped"
+    for error in decide_threads(2, "nccl", facts=cpu).values():
+        assert isinstance(error, safestrategy.NoWorkingBackendError)
+        assert "nccl: failed: no GPU among the devices (worker:0, worker:1 have none)" in str(error)
+
+
+def test_workers_with_different_settings_raise_on_every_worker(fake_mw):
+    results = decide_threads(2, settings=["ring", "auto"])
+    for error in results.values():
+        assert isinstance(error, ValueError) and "disagree on the communication" in str(error)
+
+
+def test_a_worker_never_started_is_named_within_the_bound(fake_mw):
+    started = time.monotonic()
+    results = decide_threads(3, timeout=2.0, absent=(2,))
+    assert time.monotonic() - started < 15
+    for task in ("worker:0", "worker:1"):
+        assert isinstance(results[task], MissingWorkersError)
+        assert results[task].missing == ("worker:2",)
+        assert "no answer from worker:2" in str(results[task])
+
+
+# --- the real thing: TensorFlow -----------------------------------------------------------
+
+
+def test_tf1_is_a_clear_error(tf1, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_configs(2)[0])
+    with pytest.raises(RuntimeError, match=r"needs TensorFlow 2\.x; this is 1"):
+        safestrategy.make_multiworker_strategy()
+
+
+def test_the_only_worker_up_raises_naming_the_missing_one(tf2, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_configs(2)[0])
+    monkeypatch.setenv("SAFESTRATEGY_PROBE_TIMEOUT", "2")
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="no answer from worker:1") as error:
+        safestrategy.make_multiworker_strategy()
+    assert time.monotonic() - started < 15
+    assert error.value.missing == ("worker:1",)
+
+
+def test_the_cli_shows_the_multiworker_view(tf2):
+    result = run_python(
+        "-m", "safestrategy", "--json", env={"TF_CONFIG": tf_configs(1)[0]}, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["backend"], report["workers"], report["task"]) == ("ring", 1, "worker:0")
+
+
+def test_two_workers_agree_and_train_like_one_process(tf2):
+    """Two real worker processes on 127.0.0.1 (see tests/mw_worker.py for the steps)."""
+    from .mw_worker import train
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    processes = []
+    try:
+        for config in tf_configs(2):
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / "mw_worker.py")],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    universal_newlines=True,
+                    env=dict(env, TF_CONFIG=config),
+                    cwd=str(ROOT),
+                )
+            )
+        outputs = [process.communicate(timeout=300) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    results = []
+    for stdout, stderr in outputs:
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        assert lines, stderr[-3000:]
+        results.append(json.loads(lines[0][len("RESULT ") :]))
+    expected = train(tf2)  # one process, the whole global batch
+    for index, result in enumerate(results):
+        assert "nccl: failed: no GPU among the devices" in result["forced_nccl"]
+        assert result["seamed"]["backend"] == "nccl"  # the real cross-worker check ran
+        assert result["seamed"]["candidates"][0]["status"] == "ok"
+        assert result["children_left"] is False
+        report = result["report"]
+        assert (report["backend"], report["workers"], report["task"]) == (
+            "ring",
+            2,
+            f"worker:{index}",
+        )
+        assert report["candidates"][0]["status"] == "skipped"
+        assert result["weights"] == results[0]["weights"]  # identical on both workers
+        assert result["weights"] == pytest.approx(expected, abs=1e-6)
