@@ -8,6 +8,7 @@ from hand-built inputs.
 
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from . import choose
 from ._env import ENV_COMMUNICATION, Setting
 from ._nccl import NO_KERNELS, REMEDIES
 from .choose import Decision
@@ -154,19 +155,16 @@ def _why(setting: Setting, chosen: Optional[str], results: Sequence[CandidateRes
 
 def override_hint(setting: Setting) -> str:
     """How the caller chooses another communication, given who chose this time."""
-    if setting.source == "argument":
-        return "pass another communication= (e.g. communication='ring')"
-    return f"set {ENV_COMMUNICATION} (e.g. {ENV_COMMUNICATION}=ring) or pass communication="
+    return choose.override_hint(setting, "communication", ENV_COMMUNICATION, "ring")
 
 
 def failure_message(
     workers: Sequence[str], results: Sequence[CandidateResult], setting: Setting
 ) -> str:
     """The ``NoWorkingBackendError`` message: every candidate and why it failed."""
-    lines = [f"no communication works across the workers {', '.join(workers)}:"]
-    lines.extend(f"  {r.name}: {r.status}: {r.reason}" for r in results)
-    lines.append(
+    return choose.listing(
+        f"no communication works across the workers {', '.join(workers)}:",
+        results,
         f"To choose another, {override_hint(setting)}. Run `python -m safestrategy` on every "
-        "worker (TF_CONFIG set) for the full report."
+        "worker (TF_CONFIG set) for the full report.",
     )
-    return "\n".join(lines)

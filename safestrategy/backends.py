@@ -4,7 +4,8 @@ This is the one place that knows TensorFlow's cross-device-ops class names.
 It is data plus two small builders; everything else refers to backends by name.
 """
 
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+import inspect
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 #: The CPU a ``reduce_to_cpu`` backend reduces on.
 CPU_DEVICE = "/device:CPU:0"
@@ -95,3 +96,17 @@ def build_strategy(
     if ops is not None:
         kwargs["cross_device_ops"] = ops
     return tf.distribute.MirroredStrategy(devices, **kwargs)
+
+
+def check_kwargs(function: str, cls: Any, kwargs: Mapping[str, Any]) -> None:
+    """``TypeError`` for keyword arguments ``cls`` does not take, before anything is probed."""
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(kwargs) - set(parameters) - {"self"})
+    if unknown:
+        takes = ", ".join(name for name in parameters if name != "self")
+        raise TypeError(
+            f"{function}() got unexpected keyword argument(s) {', '.join(unknown)}: "
+            f"this TensorFlow's {cls.__name__} takes {takes}"
+        )

@@ -88,21 +88,31 @@ def _why(setting: Setting, chosen: Optional[str], results: Sequence[CandidateRes
     return f"first candidate that {passed}"
 
 
-def override_hint(setting: Setting) -> str:
-    """How the caller chooses another backend, given who chose this time."""
+def override_hint(
+    setting: Setting,
+    argument: str = "backend",
+    variable: str = ENV_BACKEND,
+    example: str = "reduce_to_cpu",
+) -> str:
+    """How the caller chooses another candidate, given who chose this time."""
     if setting.source == "argument":
-        return "pass another backend= (e.g. backend='reduce_to_cpu')"
-    return f"set {ENV_BACKEND} (e.g. {ENV_BACKEND}=reduce_to_cpu) or pass backend="
+        return f"pass another {argument}= (e.g. {argument}={example!r})"
+    return f"set {variable} (e.g. {variable}={example}) or pass {argument}="
+
+
+def listing(headline: str, results: Sequence[CandidateResult], advice: str) -> str:
+    """A ``NoWorkingBackendError`` message: the headline, every candidate and why, advice."""
+    lines = [headline, *(f"  {r.name}: {r.status}: {r.reason}" for r in results), advice]
+    return "\n".join(lines)
 
 
 def failure_message(
     devices: Sequence[Device], results: Sequence[CandidateResult], setting: Setting
 ) -> str:
     """The ``NoWorkingBackendError`` message: every candidate and why it failed."""
-    lines = [f"no all-reduce backend works on {', '.join(map(str, devices))}:"]
-    lines.extend(f"  {r.name}: {r.status}: {r.reason}" for r in results)
-    lines.append(
+    return listing(
+        f"no all-reduce backend works on {', '.join(map(str, devices))}:",
+        results,
         f"To choose another, {override_hint(setting)}; or pass devices= with fewer or other "
-        "devices. Run `python -m safestrategy` for the full report."
+        "devices. Run `python -m safestrategy` for the full report.",
     )
-    return "\n".join(lines)

@@ -7,7 +7,6 @@ the caller's own devices, except on TF 1.x GPU device sets, where a
 session could, so they run in one probe process too.
 """
 
-import inspect
 import logging
 import platform as _platform
 import threading
@@ -17,7 +16,7 @@ from . import _nccl, _probe, _tf, choose
 from ._allreduce import graph_api, session_config, smoke_check
 from ._devices import Device, parse_devices, require_existing
 from ._env import Setting, resolve_backend
-from .backends import build_cross_device_ops, build_strategy, get_backend
+from .backends import build_cross_device_ops, build_strategy, check_kwargs, get_backend
 from .choose import Decision, failure_message, override_hint
 from .report import FAILED, OK, TIMEOUT, CandidateResult, Report
 
@@ -248,22 +247,6 @@ def _set_last_report(report: Report) -> None:
         _last_report = report
 
 
-def _check_kwargs(tf: Any, era: str, kwargs: Dict[str, Any]) -> None:
-    """``TypeError`` for keyword arguments MirroredStrategy does not take, before probing."""
-    cls = tf.contrib.distribute.MirroredStrategy if era == "contrib-tower" else None
-    cls = cls or tf.distribute.MirroredStrategy
-    parameters = inspect.signature(cls.__init__).parameters
-    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return
-    unknown = sorted(set(kwargs) - set(parameters) - {"self"})
-    if unknown:
-        takes = ", ".join(name for name in parameters if name != "self")
-        raise TypeError(
-            f"make_mirrored_strategy() got unexpected keyword argument(s) {', '.join(unknown)}:"
-            f" this TensorFlow's MirroredStrategy takes {takes}"
-        )
-
-
 def make_mirrored_strategy(
     devices: Optional[Sequence[str]] = None, *, backend: Optional[str] = None, **kwargs: Any
 ) -> Any:
@@ -283,7 +266,8 @@ def make_mirrored_strategy(
     request = None if own_ops is not None else _request(devices, backend, None)
     tf = _tf.import_tf()
     era = _tf.era(tf.__version__)
-    _check_kwargs(tf, era, kwargs)
+    mirrored = tf.contrib.distribute if era == "contrib-tower" else tf.distribute
+    check_kwargs("make_mirrored_strategy", mirrored.MirroredStrategy, kwargs)
     if request is None:
         strategy = build_strategy(tf, era, devices, **kwargs)
         report = _own_ops_report(tf.__version__, strategy, own_ops)

@@ -10,7 +10,6 @@ The design, and what happens when a worker disagrees, dies or never comes,
 is in docs/multiworker.md.
 """
 
-import inspect
 import logging
 import os
 import platform as _platform
@@ -28,6 +27,7 @@ from ._env import (
     resolve_timeout,
 )
 from ._rendezvous import MissingWorkersError, Rendezvous
+from .backends import check_kwargs
 from .factory import NoWorkingBackendError
 from .report import FAILED, OK, TIMEOUT, CandidateResult, Report
 
@@ -244,14 +244,7 @@ def _check_kwargs(tf: Any, kwargs: Mapping[str, Any]) -> None:
         )
     cls = getattr(tf.distribute, "MultiWorkerMirroredStrategy", None)
     cls = cls or tf.distribute.experimental.MultiWorkerMirroredStrategy
-    parameters = inspect.signature(cls.__init__).parameters
-    unknown = sorted(set(kwargs) - set(parameters) - {"self"})
-    if unknown:
-        takes = ", ".join(name for name in parameters if name != "self")
-        raise TypeError(
-            f"make_multiworker_strategy() got unexpected keyword argument(s) "
-            f"{', '.join(unknown)}: this TensorFlow's MultiWorkerMirroredStrategy takes {takes}"
-        )
+    check_kwargs("make_multiworker_strategy", cls, kwargs)
 
 
 def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: Any) -> Any:
