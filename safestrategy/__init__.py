@@ -2,7 +2,9 @@
 
 ``make_mirrored_strategy()`` replaces ``tf.distribute.MirroredStrategy()`` and
 picks the cross-device all-reduce (NCCL, hierarchical copy, or reduction to one
-GPU or the CPU) from one it actually ran and checked on your devices.
+GPU or the CPU) from one it actually ran and checked on your devices;
+``make_multiworker_strategy()`` does the same for TensorFlow's
+``MultiWorkerMirroredStrategy`` (NCCL or RING, agreed by every worker).
 Importing this package imports no TensorFlow and touches no device.
 """
 
