@@ -177,8 +177,8 @@ def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResul
     """NCCL's smoke-check result on ``devices``: from the kernel count, the cache, or a run."""
     if _tf.nccl_kernel_count(tf) == 0:
         return CandidateResult(NCCL, FAILED, NO_KERNELS, 0.0)
-    key = cache_key(tf, devices, opts)
     directory = _env.cache_dir() if opts.cache else None
+    key = cache_key(tf, devices, opts) if directory is not None else {}
     if directory is not None and not opts.refresh:
         stored = _cache.read(directory, key)
         if stored is not None:
