@@ -1,6 +1,7 @@
 """Fresh-process time to the first trained Keras step: safestrategy against the hand-made strategy.
 
     PYTHONPATH=. python benchmarks/first_step.py [--repeat N] [--json FILE] [--scenario NAME ...]
+    python benchmarks/first_step.py --table FILE     # the table of an earlier --json, again
 
 Run it with the interpreter whose TensorFlow is to be measured (TF 2.x or 1.15);
 every measured run is a fresh ``sys.executable`` child running this file with
@@ -25,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,7 +59,7 @@ class Scenario(NamedTuple):
     title: str
     baseline: Variant
     candidates: Tuple[Variant, ...]
-    target: float  #: the ratio the last candidate should stay within
+    target: float  #: the ratio the last candidate should stay within (the others: no target)
 
 
 _REDUCE_TO_CPU = Variant("hand-reduce_to_cpu", 2, DEVICES, False, "ReductionToOneDevice")
@@ -212,22 +212,28 @@ def quantile(times: Sequence[float], q: float) -> float:
 
 
 def table(scenarios: Sequence[Scenario], runs: Dict[str, List[Any]]) -> str:
-    """One line per variant: median, spread, backend, ratio to its scenario's baseline."""
+    """One line per variant: median and spread to the first step, ratio to the baseline.
+
+    ``build s`` is the median time from TensorFlow imported to the strategy built:
+    where safestrategy's own work (its import, checks, cache, probe process) shows.
+    """
     lines = [
         f"{'scenario':12} {'variant':24} {'median s':>8} {'min-max s':>13} {'IQR s':>13}"
-        f" {'ratio':>6} {'target':>6}  backend"
+        f" {'build s':>7} {'ratio':>6} {'target':>6}  backend"
     ]
     for scenario in scenarios:
-        base = statistics.median(r["seconds"] for r in runs[scenario.baseline.name])
+        base = quantile([r["seconds"] for r in runs[scenario.baseline.name]], 0.5)
         for variant in (scenario.baseline, *scenario.candidates):
             results = runs[variant.name]
             times = [r["seconds"] for r in results]
             median, q1, q3 = (quantile(times, q) for q in (0.5, 0.25, 0.75))
             low, high = min(times), max(times)
-            met = "" if variant is scenario.baseline else f"{scenario.target:.2f}"
+            build = quantile([r["marks"]["strategy"] - r["marks"]["import"] for r in results], 0.5)
+            target = f"{scenario.target:.2f}" if variant is scenario.candidates[-1] else ""
             lines.append(
                 f"{scenario.name:12} {variant.name:24} {median:8.2f} {low:6.2f}-{high:<6.2f}"
-                f" {q1:6.2f}-{q3:<6.2f} {median / base:5.3f}x {met:>6}  {results[0]['backend']}"
+                f" {q1:6.2f}-{q3:<6.2f} {build:7.2f} {median / base:5.3f}x {target:>6}"
+                f"  {results[0]['backend']}"
             )
     return "\n".join(lines)
 
@@ -236,6 +242,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7, help="rounds of runs (default 7)")
     parser.add_argument("--json", help="where to write the raw times (default: print only)")
+    parser.add_argument("--table", metavar="JSON", help="print the table of a --json file, only")
     parser.add_argument(
         "--scenario", nargs="+", choices=[s.name for s in SCENARIOS], help="default: all"
     )
@@ -245,6 +252,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         by_name = {v.name: v for s in SCENARIOS for v in (s.baseline, *s.candidates)}
         result = child(by_name[args.child[0]], float(args.child[1]))
         print(PREFIX + json.dumps(result), flush=True)
+        return
+    if args.table:
+        with open(args.table) as stream:
+            record = json.load(stream)
+        names = {scenario["name"] for scenario in record["scenarios"]}
+        print(f"TF {record['tf']}, Python {record['python']}, {record['repeat']} rounds")
+        print(table([s for s in SCENARIOS if s.name in names], record["runs"]))
         return
     scenarios = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
     with tempfile.TemporaryDirectory(prefix="first-step-") as scratch:
