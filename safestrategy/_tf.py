@@ -82,15 +82,20 @@ def list_physical_devices(tf: Any, kind: str) -> List[Any]:
 
 
 def configure_logical_cpus(tf: Any, n: int) -> None:
-    """Split TF2's physical CPU into ``n`` logical devices; only before the runtime starts."""
+    """Split TF2's physical CPU into at least ``n`` logical devices (a split into more is
+    kept); only before the runtime starts."""
     config = tf.config
     setter = getattr(config, "set_logical_device_configuration", None)
     if setter is None:  # TF 2.0
         setter = config.experimental.set_virtual_device_configuration
+        getter = config.experimental.get_virtual_device_configuration
         logical = config.experimental.VirtualDeviceConfiguration
     else:
+        getter = config.get_logical_device_configuration
         logical = config.LogicalDeviceConfiguration
-    setter(list_physical_devices(tf, "CPU")[0], [logical() for _ in range(n)])
+    cpu = list_physical_devices(tf, "CPU")[0]
+    if len(getter(cpu) or ()) < n:
+        setter(cpu, [logical() for _ in range(n)])
 
 
 def import_tf() -> Any:
