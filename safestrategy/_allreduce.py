@@ -27,11 +27,17 @@ def first_line(error: BaseException) -> Tuple[str, str]:
     return type(error).__name__, text.splitlines()[0] if text else ""
 
 
-def wrong_sums(values: Sequence[Sequence[Any]], replicas: int) -> Optional[str]:
-    """Why the all-reduced ``[device, numbers]`` pairs are wrong, or None if all are right."""
+def wrong_sums(
+    values: Sequence[Sequence[Any]], replicas: int, local: Optional[int] = None
+) -> Optional[str]:
+    """Why the all-reduced ``[device, numbers]`` pairs are wrong, or None if all are right.
+
+    ``local``: how many of the ``replicas`` ``values`` should hold (all of them,
+    unless a worker of a multi-worker all-reduce sees its own only).
+    """
     expected = replicas * (replicas + 1) / 2
     got = [numbers for _, numbers in values]
-    if len(got) == replicas and all(
+    if len(got) == (replicas if local is None else local) and all(
         numbers and all(abs(x - expected) < 1e-6 for x in numbers) for numbers in got
     ):
         return None

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import _probe
-from ._allreduce import VECTOR_SIZE, first_line
+from ._allreduce import VECTOR_SIZE, first_line, from_reply, wrong_sums
 from ._tf import import_tf, list_physical_devices
 from .report import FAILED, OK, TIMEOUT, CandidateResult
 
@@ -89,20 +89,16 @@ def judge(reply: Mapping[str, Any], replicas: int, seconds: float) -> CandidateR
     """This worker's verdict on the probe process's reply, ``replicas`` being expected."""
     seconds = round(seconds, 3)
     if "values" not in reply:
-        reason = ": ".join(str(part) for part in reply.get("error") or ["no reply"] if part)
-        return CandidateResult(NCCL, FAILED, reason, seconds)
-    expected = replicas * (replicas + 1) / 2
-    got = [numbers for _, numbers in reply["values"]]
+        return from_reply(NCCL, reply, replicas, seconds)
     if reply.get("replicas") != replicas:
         reason = f"{reply.get('replicas')} replicas in sync, expected {replicas} (one per GPU)"
         return CandidateResult(NCCL, FAILED, reason, seconds)
-    if not got or not all(
-        numbers and all(abs(x - expected) < 1e-6 for x in numbers) for numbers in got
-    ):
-        firsts = [numbers[0] if numbers else None for numbers in got]
-        reason = f"wrong sum: expected {expected:g} on each local replica, got {firsts}"
-        return CandidateResult(NCCL, FAILED, reason, seconds)
-    return CandidateResult(NCCL, OK, f"{len(got)} local replicas got {expected:g}", seconds)
+    local = len(reply["values"])
+    wrong = wrong_sums(reply["values"], replicas, local or 1)
+    if wrong:
+        return CandidateResult(NCCL, FAILED, wrong, seconds)
+    expected = replicas * (replicas + 1) / 2
+    return CandidateResult(NCCL, OK, f"{local} local replicas got {expected:g}", seconds)
 
 
 def attempt(

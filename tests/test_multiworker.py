@@ -443,3 +443,16 @@ def test_two_workers_agree_and_train_like_one_process(tf2):
         assert report["candidates"][0]["status"] == "skipped"
         assert result["weights"] == results[0]["weights"]  # identical on both workers
         assert result["weights"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_worker_judges_its_own_replicas_against_the_global_sum():
+    from safestrategy._mw_check import judge
+
+    ok = judge({"values": [["/gpu:0", [10.0] * 4], ["/gpu:1", [10.0] * 4]], "replicas": 4}, 4, 1)
+    assert (ok.status, ok.reason) == ("ok", "2 local replicas got 10")
+    dropped = judge({"values": [["/gpu:0", [7.0] * 4]], "replicas": 4}, 4, 1)
+    assert dropped.reason == "wrong sum: expected 10 on each of 4 replicas, got [7.0]"
+    ring = judge({"values": [["/cpu:0", [3.0] * 4]], "replicas": 1}, 2, 1)
+    assert ring.reason.startswith("1 replicas in sync, expected 2")
+    error = judge({"error": ["InternalError", "NCCL failure"]}, 2, 1)
+    assert (error.status, error.reason) == ("failed", "InternalError: NCCL failure")
