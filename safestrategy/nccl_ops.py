@@ -411,12 +411,14 @@ def _log(decision: _Decision, devices: Sequence[str]) -> None:
     if check is None:
         logger.info("nccl_ops on %s: not using NCCL (%s); %s", where, decision.reason, instead)
         return
+    cached = " (a verdict cached from an earlier run)" if check.cached else ""
     logger.warning(
-        "NCCL %s on %s (%s); safestrategy.nccl_ops is %s instead. "
-        "Set %s=nccl to force NCCL, or reduce_to_cpu to reduce on the CPU.",
+        "NCCL %s on %s (%s)%s; safestrategy.nccl_ops is %s instead. Set %s=reduce_to_cpu "
+        "to reduce on the CPU; `python -m safestrategy --refresh` checks NCCL again.",
         "timed out" if check.status == TIMEOUT else "failed its smoke check",
         where,
         decision.reason,
+        cached,
         instead,
         ENV_BACKEND,
     )
