@@ -8,10 +8,26 @@ GPU or the CPU) from one it actually ran and checked on your devices;
 Importing this package imports no TensorFlow and touches no device.
 """
 
+import sys
+from typing import Any
+
 from .backends import BACKEND_NAMES
 from .factory import NoWorkingBackendError, last_report, make_mirrored_strategy, probe
-from .multiworker import make_multiworker_strategy
 from .report import CandidateResult, Report
+
+if sys.version_info >= (3, 7):  # noqa: UP036  (3.6 is supported: TF 1.12)
+
+    def __getattr__(name: str) -> Any:
+        """The multi-worker factory, loaded on first use (sockets and all: ~20 ms of start-up
+        that single-machine training should not pay)."""
+        if name == "make_multiworker_strategy":
+            from .multiworker import make_multiworker_strategy
+
+            return make_multiworker_strategy
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+else:  # pragma: no cover - Python 3.6 has no module __getattr__
+    from .multiworker import make_multiworker_strategy
 
 __version__ = "0.1.0"
 

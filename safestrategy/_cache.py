@@ -9,7 +9,6 @@ DEBUG and treated as a miss: the cache can make start-up faster, never fail it.
 """
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -26,6 +25,8 @@ FORMAT = 1
 
 
 def _path(directory: str, key: Mapping[str, Any]) -> str:
+    import hashlib  # here: ~15 ms that `import safestrategy` should not pay for
+
     text = json.dumps(key, sort_keys=True, separators=(",", ":"))
     return os.path.join(directory, f"nccl-{hashlib.sha256(text.encode()).hexdigest()[:32]}.json")
 

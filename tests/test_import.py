@@ -10,6 +10,9 @@ import safestrategy
 assert "tensorflow" not in [m for m in sys.modules if sys.modules[m] is not None], "TF imported"
 assert dict(os.environ) == before, "environment changed"
 assert sorted(safestrategy.__all__) == safestrategy.__all__
+# the multi-worker factory (sockets and all) loads on first use, where Python allows
+assert sys.version_info < (3, 7) or "safestrategy.multiworker" not in sys.modules
+assert callable(safestrategy.make_multiworker_strategy)
 try:
     safestrategy.make_mirrored_strategy()
 except ImportError as error:
