@@ -6,7 +6,7 @@ Nothing here imports TensorFlow or touches the network: each path is tested
 from hand-built inputs.
 """
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from . import choose
 from ._env import ENV_COMMUNICATION, Setting
@@ -99,28 +99,6 @@ def combine(
 def remediable(result: CandidateResult) -> bool:
     """A hang, a crash or an NCCL error: not a missing kernel, which no variable fixes."""
     return result.status in (FAILED, TIMEOUT) and "No OpKernel was registered" not in result.reason
-
-
-def with_remedies(
-    first: CandidateResult, later: Sequence[Tuple[Mapping[str, str], CandidateResult]]
-) -> CandidateResult:
-    """The verdict after the remedies (environment, result): the first that passed, else
-    the first failure, saying what was also tried."""
-    seconds = round(first.seconds + sum(result.seconds for _, result in later), 3)
-    tried = [f"{name}={value}" for env, _ in later for name, value in env.items()]
-    for env, result in later:
-        if result.status == OK:
-            ((name, value),) = env.items()
-            reason = (
-                f"passed with {name}={value} on every worker, after it {first.status} "
-                f"without: {first.reason}"
-            )
-            return result._replace(reason=reason, seconds=seconds, remedy=dict(env))
-    if not later:
-        return first
-    return first._replace(
-        reason=f"{first.reason} (also with {' and with '.join(tried)})", seconds=seconds
-    )
 
 
 def decide(setting: Setting, check: Callable[[str], CandidateResult]) -> Decision:

@@ -21,7 +21,7 @@ import logging
 import os
 import platform
 import sys
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from . import _cache, _env, _probe, _tf
 from ._devices import Device
@@ -147,30 +147,43 @@ def _remediable(attempt: _Attempt) -> bool:
     )
 
 
+def after_remedies(
+    first: CandidateResult,
+    later: Sequence[Tuple[Mapping[str, str], CandidateResult]],
+    where: str = "",
+) -> CandidateResult:
+    """The verdict once remedies were tried: ``later`` holds (remedy, result) pairs in
+    order. The first that passed keeps NCCL (its ``remedy`` set); else the first failure,
+    saying what was also tried. ``where`` qualifies a pass (" on every worker")."""
+    seconds = round(first.seconds + sum(result.seconds for _, result in later), 3)
+    for env, result in later:
+        if result.status == OK:
+            setting = ", ".join(f"{name}={value}" for name, value in env.items())
+            failed = "timed out" if first.status == TIMEOUT else "failed"
+            reason = f"passed with {setting}{where}, after it {failed} without: "
+            reason += _short(first.reason)
+            return result._replace(reason=reason, seconds=seconds, remedy=dict(env))
+    if not later:
+        return first
+    tried = " and with ".join(f"{n}={v}" for env, _ in later for n, v in env.items())
+    return first._replace(reason=f"{first.reason} (also with {tried})", seconds=seconds)
+
+
 def _run(devices: Sequence[Device], opts: Options) -> _Attempt:
     first = _attempt(devices, opts.timeout, {})
     if not (opts.remedies and _remediable(first)):
         return first
-    spent = first.result.seconds
-    tried = []
+    later: List[Tuple[Dict[str, str], CandidateResult]] = []
+    cacheable = True
     for name, value in REMEDIES:
         if name in os.environ:
             continue  # the user's own setting is never overridden, nor its remedy tried
         attempt = _attempt(devices, opts.timeout, {name: value})
-        spent += attempt.result.seconds
-        tried.append(f"{name}={value}")
+        later.append(({name: value}, attempt.result))
         if attempt.result.status == OK:
-            failed = "timed out" if first.result.status == TIMEOUT else "failed"
-            reason = (
-                f"passed with {name}={value}, after it {failed} without: "
-                f"{_short(first.result.reason)}"
-            )
-            ok = CandidateResult(NCCL, OK, reason, round(spent, 3), remedy={name: value})
-            return _Attempt(ok, attempt.cacheable)
-    if not tried:
-        return first
-    reason = f"{first.result.reason} (also with {' and with '.join(tried)})"
-    return _Attempt(first.result._replace(reason=reason, seconds=round(spent, 3)), True)
+            cacheable = attempt.cacheable
+            break
+    return _Attempt(after_remedies(first.result, later), cacheable)
 
 
 def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResult:

@@ -143,7 +143,7 @@ def _nccl_check(
         results.append((env, _mw_choose.combine(verdicts, env)))
         if results[-1][1].status == OK:
             break
-    return _mw_choose.with_remedies(results[0][1], results[1:])
+    return _nccl.after_remedies(results[0][1], results[1:], " on every worker")
 
 
 def decide(
