@@ -23,7 +23,7 @@ import platform
 import sys
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import _cache, _env, _probe, _tf
+from . import _cache, _env, _machine, _probe, _tf
 from ._devices import Device
 from .report import FAILED, OK, TIMEOUT, CandidateResult
 
@@ -102,6 +102,7 @@ def cache_key(tf: Any, devices: Sequence[Device], opts: Options) -> Dict[str, An
         "devices": [str(device) for device in devices],
         "gpus": _tf.gpu_names(tf),
         "driver": _nvidia_driver(),
+        "machine": _machine.identity(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "nccl_env": _user_nccl_environment(),
         "timeout": opts.timeout,
@@ -193,7 +194,7 @@ def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResul
     directory = _env.cache_dir() if opts.cache else None
     key = cache_key(tf, devices, opts) if directory is not None else {}
     if directory is not None and not opts.refresh:
-        stored = _cache.read(directory, key)
+        stored = _cache.read(directory, "nccl", key)
         if stored is not None:
             try:
                 return CandidateResult(**{**stored, "cached": True})
@@ -201,7 +202,7 @@ def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResul
                 logger.debug("cached NCCL verdict %r has the wrong fields; ignored", stored)
     attempt = _run(devices, opts)
     if directory is not None and attempt.cacheable:
-        _cache.write(directory, key, attempt.result.to_dict())
+        _cache.write(directory, "nccl", key, attempt.result.to_dict())
     return attempt.result
 
 

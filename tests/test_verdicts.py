@@ -123,8 +123,8 @@ def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
     key = {"devices": ["/device:GPU:0", "/device:GPU:1"]}
     value = {"name": "nccl", "status": "ok", "reason": "x" * 100000}
     for _ in range(20):
-        _cache.write(str(tmp_path), key, value)
-    assert _cache.read(str(tmp_path), key) == value
+        _cache.write(str(tmp_path), "nccl", key, value)
+    assert _cache.read(str(tmp_path), "nccl", key) == value
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
 
 
