@@ -111,8 +111,8 @@ def check_placement(values: Values, devices: Sequence[str]) -> None:
     Names are compared as devices ("/cpu:1" is
     "/job:localhost/replica:0/task:0/device:CPU:1"). TensorFlow reports a
     ``tf.function``'s results in host memory on the host CPU, whichever logical
-    CPU computed them, so a CPU's result may read CPU:0; a GPU's result must be
-    on that GPU.
+    CPU computed them (``ProcessFunctionLibraryRuntime::GetOutputDevices``), so
+    a CPU's result may read CPU:0; a GPU's result must be on that GPU.
     """
     for (placed, _), asked in zip(values, devices):
         want = parse_device(asked)

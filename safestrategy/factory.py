@@ -1,8 +1,9 @@
 """make_mirrored_strategy() and probe(): settings in, smoke checks, decision, report out.
 
 Where each check runs: NCCL through :mod:`safestrategy._nccl` (kernel count,
-cache, probe process); every other backend here, in the caller's process, on
-the caller's own devices, except on TF 1.x GPU device sets, where a
+cache, probe process); every other backend here, in the caller's process (in a
+helper thread, outside the caller's strategy scope, in the caller's execution
+mode), on the caller's own devices, except on TF 1.x GPU device sets, where a
 ``tf.Session`` would fix the process-wide GPU options before the caller's own
 session could, so they run in one probe process too.
 """
