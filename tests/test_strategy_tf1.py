@@ -159,8 +159,9 @@ def test_gpu_sets_are_checked_in_the_probe_process_so_no_session_fixes_gpu_optio
 
 
 def test_inside_another_strategys_scope_the_checks_run_and_sum_right(tf1):
-    # TF 1.12 keeps the strategy scope per thread, not per graph: the checks must not
-    # run inside the caller's (they ran into "Mixing different DistributionStrategy objects").
+    # TF2 eager failed here ("Mixing different tf.distribute.Strategy objects"); TF 1.12 and
+    # 1.15 did not (each check builds a graph of its own). The checks, now in a thread of
+    # their own, must still run and judge right here.
     module = tf1.contrib.distribute if contrib(tf1) else tf1.distribute
     with tf1.Graph().as_default(), module.MirroredStrategy(["/cpu:0"]).scope():
         report = safestrategy.probe(cpus(3))
