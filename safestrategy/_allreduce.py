@@ -2,16 +2,24 @@
 
 One real sum all-reduce across exactly the given devices through a real
 ``MirroredStrategy`` with one backend's cross-device ops, replica *i*
-contributing a vector of *i + 1*. It runs in the caller's process for the
-backends that cannot hang, and in the probe process for NCCL (see
-:mod:`safestrategy._worker`). Soft placement is off, so a replica can never
-quietly run on another device than the one named.
+contributing a vector of *i + 1*, through the path training takes: in eager
+mode ``ReplicaContext.all_reduce``, in graph mode ``merge_call`` into the
+strategy's ``batch_reduce_to``. It runs in the caller's process for the
+backends that cannot hang (in a helper thread of its own, outside the caller's
+strategy scope), and in the probe process for NCCL (see
+:mod:`safestrategy._worker`).
+
+No replica may quietly run on another device than the one named. Graph mode
+turns soft placement off in the check's own session; eager mode leaves
+TensorFlow's process-wide setting alone (another thread may be training) and
+verifies instead where each replica's result was placed.
 """
 
-import contextlib
+import threading
 import time
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
+from ._devices import Device, parse_device
 from .backends import build_cross_device_ops, build_strategy
 from .report import FAILED, OK, CandidateResult
 
@@ -19,6 +27,7 @@ from .report import FAILED, OK, CandidateResult
 VECTOR_SIZE = 4
 
 Values = List[Tuple[str, List[float]]]
+T = TypeVar("T")
 
 
 def first_line(error: BaseException) -> Tuple[str, str]:
@@ -63,8 +72,12 @@ def from_reply(name: str, reply: Any, replicas: int, seconds: float) -> Candidat
 
 
 def graph_api(tf: Any) -> Optional[Any]:
-    """The TF1-style API when this process builds graphs (TF 1.x, or TF2 with eager
-    execution disabled, e.g. through ``tf.compat.v1.disable_v2_behavior()``); None when eager."""
+    """The TF1-style API when the calling thread builds graphs, else None (eager).
+
+    Graph mode: TF 1.x; TF2 with eager execution disabled (e.g. through
+    ``tf.compat.v1.disable_v2_behavior()``), inside ``with tf.Graph().as_default()``
+    or while a ``tf.function`` is traced. Thread-local in TF2: ask in the caller's thread.
+    """
     if not tf.__version__.startswith("2."):
         return tf
     return None if tf.executing_eagerly() else tf.compat.v1
@@ -84,15 +97,34 @@ def session_config(tf: Any, cpus: int, gpus: bool) -> Any:
     return config
 
 
-@contextlib.contextmanager
-def hard_placement(tf: Any) -> Iterator[None]:
-    """TF2: soft placement off inside the block, the caller's setting restored after."""
-    before = tf.config.get_soft_device_placement()
-    tf.config.set_soft_device_placement(False)
-    try:
-        yield
-    finally:
-        tf.config.set_soft_device_placement(before)
+class PlacementError(RuntimeError):
+    """A replica's result was placed on another device than the one asked for."""
+
+
+#: Where TF2 reports a ``tf.function``'s results that live in host memory.
+HOST = Device("CPU", 0)
+
+
+def check_placement(values: Values, devices: Sequence[str]) -> None:
+    """``PlacementError`` unless replica *i*'s result is on ``devices[i]``.
+
+    Names are compared as devices ("/cpu:1" is
+    "/job:localhost/replica:0/task:0/device:CPU:1"). TensorFlow reports a
+    ``tf.function``'s results in host memory on the host CPU, whichever logical
+    CPU computed them (``ProcessFunctionLibraryRuntime::GetOutputDevices``), so
+    a CPU's result may read CPU:0; a GPU's result must be on that GPU.
+    """
+    for (placed, _), asked in zip(values, devices):
+        want = parse_device(asked)
+        try:
+            got: Optional[Device] = parse_device(placed)
+        except ValueError:  # not a local device name: not where asked either
+            got = None
+        if got != want and not (want.kind == "CPU" and got == HOST):
+            raise PlacementError(
+                f"the result for {want} was placed on {placed or 'no device'}: "
+                "TensorFlow ran the check elsewhere than asked"
+            )
 
 
 def _eager_all_reduce(tf: Any, strategy: Any) -> Values:
@@ -104,25 +136,29 @@ def _eager_all_reduce(tf: Any, strategy: Any) -> Values:
         return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.fill([VECTOR_SIZE], replica + 1.0))
 
     run = getattr(strategy, "run", None) or strategy.experimental_run_v2
-    with hard_placement(tf):  # no AutoGraph: nothing to convert, and it costs ~0.1 s
-        result = tf.function(lambda: run(replica_fn), autograph=False)()
+    # no AutoGraph: nothing to convert, and it costs ~0.1 s
+    result = tf.function(lambda: run(replica_fn), autograph=False)()
     return [(t.device, t.numpy().tolist()) for t in strategy.experimental_local_results(result)]
 
 
 def _graph_all_reduce(tf: Any, era: str, strategy: Any, config: Any) -> Values:
-    """TF 1.x graph mode: merge_call into the strategy's own reduce, run in a Session.
+    """Graph mode: merge_call into the strategy's own batch reduce, run in a Session.
 
-    ``destinations=value`` makes it an all-reduce through the cross-device ops;
-    TF 1.12 spells everything "tower" and passes merge_call arguments directly.
+    ``batch_reduce_to`` is what training's all-reduce takes (optimizers,
+    ``ReplicaContext.all_reduce``); ``reduce_to`` is not: TF 2.x reroutes it to
+    ``ReductionToOneDevice`` whenever a destination is a CPU, so it passed
+    ``hierarchical_copy`` on 3 CPUs that training then summed wrong. The pair
+    ``(value, value)`` makes it an all-reduce through the cross-device ops.
+    TF 1.12 spells everything "tower", has ``batch_reduce(aggregation, pairs)``
+    and passes merge_call arguments directly.
     """
     contrib = era == "contrib-tower"
 
     def merge_fn(distribution: Any, value: Any) -> Any:
         if contrib:
-            return distribution.reduce(tf.VariableAggregation.SUM, value, destinations=value)
-        return distribution.extended.reduce_to(
-            tf.distribute.ReduceOp.SUM, value, destinations=value
-        )
+            return distribution.batch_reduce(tf.VariableAggregation.SUM, [(value, value)])[0]
+        pairs = [(value, value)]
+        return distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)[0]
 
     def replica_fn() -> Any:
         if contrib:
@@ -152,24 +188,58 @@ def _graph_all_reduce(tf: Any, era: str, strategy: Any, config: Any) -> Values:
 def all_reduce(tf: Any, era: str, devices: Sequence[str], name: str, config: Any = None) -> Values:
     """Every replica's result of one sum all-reduce with backend ``name`` over ``devices``.
 
-    ``config`` is the TF1 session config (see :func:`session_config`); TF2 runs eagerly.
+    ``config`` is the session config for graph mode (see :func:`session_config`);
+    None runs it eagerly (TF2), and then ``PlacementError`` if a result is
+    elsewhere than asked.
     """
     if config is None:
         ops = build_cross_device_ops(tf, era, name)
-        return _eager_all_reduce(tf, build_strategy(tf, era, devices, ops))
+        values = _eager_all_reduce(tf, build_strategy(tf, era, devices, ops))
+        check_placement(values, devices)
+        return values
     with tf.Graph().as_default():  # TF1: the strategy's ops belong to this graph only
         ops = build_cross_device_ops(tf, era, name)
         strategy = build_strategy(tf, era, devices, ops)
         return _graph_all_reduce(tf, era, strategy, config)
 
 
+def in_fresh_thread(function: Callable[[], T]) -> T:
+    """``function()`` run in a short-lived thread of its own; its result or its exception.
+
+    TensorFlow keeps the strategy scope, the default graph and ``tf.device``
+    per thread, so a fresh thread sees none of the caller's: a check inside
+    another strategy's scope would otherwise fail with "Mixing different
+    tf.distribute.Strategy objects". No other thread's state is touched. The
+    execution mode is per thread too: decide it in the caller's thread.
+    """
+    outcome: List[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, function()))
+        except BaseException as error:  # handed to the caller's thread
+            outcome.append((False, error))
+
+    thread = threading.Thread(target=run, name="safestrategy-check", daemon=True)
+    thread.start()
+    thread.join()
+    ok, result = outcome[0]
+    if not ok:
+        raise result
+    return result
+
+
 def smoke_check(
     tf: Any, era: str, devices: Sequence[str], name: str, config: Any = None
 ) -> CandidateResult:
-    """Run backend ``name``'s smoke all-reduce here, in this process, and judge it."""
+    """Run backend ``name``'s smoke all-reduce in this process and judge it.
+
+    It runs outside the caller's strategy scope and device scope (see
+    :func:`in_fresh_thread`), in graph mode when ``config`` is given.
+    """
     started = time.monotonic()
     try:
-        values = all_reduce(tf, era, devices, name, config)
+        values = in_fresh_thread(lambda: all_reduce(tf, era, devices, name, config))
     except Exception as error:
         reason = ": ".join(part for part in first_line(error) if part)
         return CandidateResult(name, FAILED, reason, round(time.monotonic() - started, 3))

@@ -1,8 +1,9 @@
 """make_mirrored_strategy() and probe(): settings in, smoke checks, decision, report out.
 
 Where each check runs: NCCL through :mod:`safestrategy._nccl` (kernel count,
-cache, probe process); every other backend here, in the caller's process, on
-the caller's own devices, except on TF 1.x GPU device sets, where a
+cache, probe process); every other backend here, in the caller's process (in a
+helper thread, outside the caller's strategy scope, in the caller's execution
+mode), on the caller's own devices, except on TF 1.x GPU device sets, where a
 ``tf.Session`` would fix the process-wide GPU options before the caller's own
 session could, so they run in one probe process too.
 """
@@ -25,7 +26,8 @@ logger = logging.getLogger("safestrategy")
 NO_GPU = "no GPU among the devices"
 
 _last_report: Optional[Report] = None
-# Decisions that found a backend, by request: a process decides once per device set.
+# Decisions that found a backend, by request and execution mode: a process decides once
+# per device set and mode.
 _decisions: Dict[Any, Tuple[Tuple[Device, ...], Decision, Optional[int]]] = {}
 _lock = threading.Lock()
 
@@ -67,16 +69,19 @@ def _request(
 class _Checks:
     """Runs one candidate's smoke check at a time for one device set, each where it belongs."""
 
-    def __init__(self, tf: Any, devices: Tuple[Device, ...], opts: _nccl.Options) -> None:
+    def __init__(
+        self, tf: Any, devices: Tuple[Device, ...], opts: _nccl.Options, graph: Optional[Any]
+    ) -> None:
+        """``graph``: the caller's :func:`~safestrategy._allreduce.graph_api` (None: eager),
+        asked in the caller's thread: the checks run in threads of their own."""
         self.tf, self.devices, self.opts = tf, devices, opts
         self.era = _tf.era(tf.__version__)
         self.names = [str(device) for device in devices]
         self.gpu = any(device.kind == "GPU" for device in devices)
-        self.graph = graph_api(tf)  # None: eager, else the TF1 API for graphs and sessions
-        self.config = None
-        if self.graph is not None:
+        self.config = None  # eager; in graph mode, the config of the checks' own sessions
+        if graph is not None:
             cpus = max([d.index + 1 for d in devices if d.kind == "CPU"] or [1])
-            self.config = session_config(self.graph, cpus, gpus=False)
+            self.config = session_config(graph, cpus, gpus=False)
         self.process: Optional[_probe.ProbeProcess] = None
         self.start_failure = ""  #: why the probe process could not start, once it could not
 
@@ -147,11 +152,13 @@ def _decide(
     tf = _tf.import_tf()
     devices = _devices_for(tf, request.devices)
     setting = request.setting
-    key = (devices, setting.mode, setting.names, request.nccl._replace(refresh=False))
+    graph = graph_api(tf)  # the caller's execution mode: graph-mode checks drive another path
+    mode = "eager" if graph is None else "graph"
+    key = (devices, mode, setting.mode, setting.names, request.nccl._replace(refresh=False))
     with _lock:
         remembered = None if request.nccl.refresh else _decisions.get(key)
     if remembered is None:
-        checks = _Checks(tf, devices, request.nccl)
+        checks = _Checks(tf, devices, request.nccl, graph)
 
         def check(name: str) -> CandidateResult:
             result = checks(name)

@@ -156,3 +156,15 @@ def test_gpu_sets_are_checked_in_the_probe_process_so_no_session_fixes_gpu_optio
     report = safestrategy.probe(["/gpu:0", "/gpu:1"], backend="hierarchical_copy,reduce_to_cpu")
     assert (report.backend, report.candidates[0].status) == ("hierarchical_copy", "ok")
     assert fake.starts() == ["start"]  # the fake probe process answered, not this process
+
+
+def test_inside_another_strategys_scope_the_checks_run_and_sum_right(tf1):
+    # TF2 eager failed here ("Mixing different tf.distribute.Strategy objects"); TF 1.12 and
+    # 1.15 did not (each check builds a graph of its own). The checks, now in a thread of
+    # their own, must still run and judge right here.
+    module = tf1.contrib.distribute if contrib(tf1) else tf1.distribute
+    with tf1.Graph().as_default(), module.MirroredStrategy(["/cpu:0"]).scope():
+        report = safestrategy.probe(cpus(3))
+    assert report.backend == "reduce_to_cpu"
+    hierarchical = next(c for c in report.candidates if c.name == "hierarchical_copy")
+    assert "expected 6 on each of 3 replicas, got [3.0" in hierarchical.reason
