@@ -61,6 +61,10 @@ _PROCESS = os.urandom(6).hex()
 _attempts = itertools.count(1)
 
 
+#: The attempt an ack names when the peer is in a later session: it had our message.
+LATER = "a later session"
+
+
 def _newer(attempt: Any, than: Any) -> bool:
     """True when ``attempt`` ([process, number]) supersedes ``than`` (a later attempt of the
     same process, or another process: the one heard from last is the live one)."""
@@ -189,8 +193,8 @@ class Rendezvous:
             return {"ack": False, "why": "not this version of the protocol"}
         if session > self.session:
             return {"ack": False, "why": f"{self.me.task} is not there yet"}
-        if session < self.session:
-            return {"ack": True, "attempt": self.attempt}  # a stale retry: taken, dropped
+        if session < self.session:  # a retry after a lost ack: we finished that session
+            return {"ack": True, "attempt": LATER}
         with self._changed:
             known = self._attempt_of.get(sender)
             if known is not None and known != attempt and not _newer(attempt, known):
@@ -213,6 +217,8 @@ class Rendezvous:
         """True until the peer's current attempt has acked our message of ``round_name``."""
         acked = self._acked.get((round_name, peer))
         current = self._attempt_of.get(peer)
+        if acked == LATER:  # it finished this session, which needed our message
+            return False
         return acked is None or (current is not None and current != acked)
 
     def _message(self, peer: Address, round_name: str, **fields: Any) -> bytes:

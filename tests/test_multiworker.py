@@ -252,7 +252,7 @@ def test_foreign_traffic_and_stale_sessions_do_not_confuse_it():
         stale = talk((json.dumps({**message, "session": 1, "body": "old"}) + "\n").encode())
         early = talk((json.dumps({**message, "session": 3, "body": "new"}) + "\n").encode())
         wrong = talk((json.dumps({**message, "session": 2, "to": "worker:7"}) + "\n").encode())
-        assert json.loads(stale)["ack"] is True
+        assert json.loads(stale) == {"ack": True, "attempt": "a later session"}
         assert json.loads(early)["ack"] is False
         assert "not worker:7's" in json.loads(wrong)["why"]
         assert rendezvous._mailbox == {}
