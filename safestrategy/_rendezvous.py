@@ -332,7 +332,10 @@ class Rendezvous:
         """The error when a peer left this attempt's rounds: its culprits, else the peer."""
         peer, (what, culprits) = sorted(self._left.items())[0]
         names = [str(name) for name in culprits] or [peer]
-        because = f": no answer from {', '.join(names)}" if culprits else ""
+        where = {address.task: f"{address.task} at {address}" for address in self.peers}
+        because = (
+            f": no answer from {', '.join(where.get(n, n) for n in names)}" if culprits else ""
+        )
         return MissingWorkersError(
             f"{self.me.task} stopped {waiting_for}: {peer} {what}{because}. Every worker "
             "raises, so a retry of make_multiworker_strategy() on every worker meets again; "
