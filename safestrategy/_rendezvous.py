@@ -14,32 +14,61 @@ is a peer's final message, which it has received and acked before closing:
 nobody sends to a port that TensorFlow already owns. The sender closes each
 connection first, so no TIME_WAIT is left on the listening port.
 
-Every message carries the decision's ``session`` (the how-many-th
-``make_multiworker_strategy()`` call this is in this process, the same on
-every worker) and its round name. A message from an earlier session is
-acked and dropped (a peer retrying after a lost ack); one from a later
-session is refused, so the sender retries until this worker gets there.
-Messages from later rounds of the current session are kept until needed.
+Every message carries the decision's ``session`` (the number of the
+``make_multiworker_strategy()`` call this is in this process, counting only
+calls that met their peers, so the same on every worker) and its round name.
+A message from an earlier session is acked and dropped (a peer retrying after
+a lost ack); one from a later session is refused, so the sender retries until
+this worker gets there. Messages from later rounds of the current session are
+kept until needed.
+
+A call that gives up (:class:`MissingWorkersError`) may be retried: each
+:class:`Rendezvous` is one *attempt*, and messages carry it. A worker keeps
+only the messages of a peer's latest attempt, and a round is complete with a
+peer only when the attempt that acked our message is the one we heard from,
+so a peer that started again gets our message again and the retry meets the
+peers still waiting. A peer that leaves a later round (it gave up, and says
+so to its peers before raising, or it started again) ends this attempt at
+once with the workers *it* did not hear from: nobody waits on a dead round,
+and the worker named is the one that did not answer.
 
 Everything is bounded: a round that has not completed by its deadline
 raises :class:`MissingWorkersError` naming the workers not heard from.
 """
 
 import contextlib
+import itertools
 import json
 import os
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ._cluster import Address
 
-PROTOCOL = "safestrategy-rendezvous-1"
+PROTOCOL = "safestrategy-rendezvous-2"  # 2: messages name their attempt
 #: Seconds one connection may take to connect, or to answer once connected.
 IO_TIMEOUT = 5.0
 #: Longest message read; anything longer is not ours.
 MAX_MESSAGE = 1 << 20
+#: Seconds a worker that gives up spends telling each peer so (one try).
+NOTICE_TIMEOUT = 1.0
+
+#: This process, among the processes a worker's host may run one after another.
+_PROCESS = os.urandom(6).hex()
+#: Numbers this process's rendezvous attempts, so a peer keeps only the latest one's messages.
+_attempts = itertools.count(1)
+
+
+#: The attempt an ack names when the peer is in a later session: it had our message.
+LATER = "a later session"
+
+
+def _newer(attempt: Any, than: Any) -> bool:
+    """True when ``attempt`` ([process, number]) supersedes ``than`` (a later attempt of the
+    same process, or another process: the one heard from last is the live one)."""
+    return attempt != than and not (attempt[0] == than[0] and attempt[1] < than[1])
 
 
 class MissingWorkersError(TimeoutError):
@@ -62,13 +91,20 @@ def _reason(error: BaseException) -> str:
 
 
 class Rendezvous:
-    """One decision's rounds between this worker and its peers; a context manager that
-    listens on this worker's port while it is open."""
+    """One attempt at one decision's rounds between this worker and its peers; a context
+    manager that listens on this worker's port while it is open."""
 
     def __init__(self, me: Address, peers: Sequence[Address], session: int) -> None:
         self.me, self.peers, self.session = me, tuple(peers), session
+        self.attempt = [_PROCESS, next(_attempts)]
         self._mailbox: Dict[Tuple[str, str], Any] = {}
-        self._acked: Dict[Tuple[str, str], bool] = {}
+        #: (round, peer) -> the attempt of that peer that acked our message
+        self._acked: Dict[Tuple[str, str], Any] = {}
+        #: peer -> its attempt whose messages we keep (the latest heard from)
+        self._attempt_of: Dict[str, Any] = {}
+        self._finished: Set[str] = set()  #: rounds this attempt completed
+        #: peer -> why this attempt cannot finish with it (it left rounds we shared)
+        self._left: Dict[str, Tuple[str, Sequence[str]]] = {}
         self._why: Dict[str, str] = {}  #: by peer: why the last send to it failed
         self._changed = threading.Condition()
         self._closed = threading.Event()
@@ -134,8 +170,15 @@ class Rendezvous:
                 return
 
     def _receive(self, message: Mapping[str, Any]) -> Dict[str, Any]:
-        """Keep a peer's message and say whether it was taken (the sender retries if not)."""
+        """Keep a peer's message and say whether it was taken (the sender retries if not).
+
+        A message from a later attempt of a peer supersedes what its earlier attempt
+        sent (that attempt gave up, and lost what we sent it: ours is sent again).
+        If this attempt already finished a round with the earlier one, the peer has
+        left those rounds: this attempt cannot finish (see :meth:`exchange`).
+        """
         sender, session = message.get("from"), message.get("session")
+        attempt = message.get("attempt")
         if message.get("to") != self.me.task:
             return {
                 "ack": False,
@@ -146,39 +189,89 @@ class Rendezvous:
                 "ack": False,
                 "why": f"{sender!r} is not a worker in {self.me.task}'s TF_CONFIG",
             }
+        if not (isinstance(attempt, list) and len(attempt) == 2):
+            return {"ack": False, "why": "not this version of the protocol"}
         if session > self.session:
             return {"ack": False, "why": f"{self.me.task} is not there yet"}
-        if session == self.session:
-            with self._changed:
+        if session < self.session:  # a retry after a lost ack: we finished that session
+            return {"ack": True, "attempt": LATER}
+        with self._changed:
+            known = self._attempt_of.get(sender)
+            if known is not None and known != attempt and not _newer(attempt, known):
+                return {"ack": True, "attempt": self.attempt}  # from a dead attempt: dropped
+            if known is not None and known != attempt:
+                self._mailbox = {k: v for k, v in self._mailbox.items() if k[1] != sender}
+                if self._finished:
+                    self._left.setdefault(sender, ("started this decision again", ()))
+            self._attempt_of[sender] = attempt
+            gave_up = message.get("gave_up")
+            if isinstance(gave_up, list):
+                if self._finished:  # in the first round, its next attempt comes instead
+                    self._left.setdefault(sender, (f"gave up {message.get('round')}", gave_up))
+            else:
                 self._mailbox.setdefault((str(message.get("round")), sender), message.get("body"))
-                self._changed.notify_all()
-        return {"ack": True}
+            self._changed.notify_all()
+        return {"ack": True, "attempt": self.attempt}
+
+    def _must_send(self, round_name: str, peer: str) -> bool:
+        """True until the peer's current attempt has acked our message of ``round_name``."""
+        acked = self._acked.get((round_name, peer))
+        current = self._attempt_of.get(peer)
+        if acked == LATER:  # it finished this session, which needed our message
+            return False
+        return acked is None or (current is not None and current != acked)
+
+    def _message(self, peer: Address, round_name: str, **fields: Any) -> bytes:
+        message = {
+            "protocol": PROTOCOL,
+            "session": self.session,
+            "attempt": self.attempt,
+            "round": round_name,
+            "from": self.me.task,
+            "to": peer.task,
+            **fields,
+        }
+        return (json.dumps(message) + "\n").encode("utf-8")
+
+    def _deliver(self, peer: Address, data: bytes, timeout: float) -> Any:
+        """One try: the peer's reply if it acked ``data``; else raises or returns the why."""
+        with socket.create_connection((peer.host, peer.port), timeout) as s:
+            s.sendall(data)
+            with s.makefile("rb") as stream:
+                line = stream.readline(MAX_MESSAGE)
+        reply = json.loads(line.decode("utf-8")) if line else None
+        if isinstance(reply, dict) and reply.get("ack"):
+            return reply
+        return str(reply.get("why")) if isinstance(reply, dict) else "hung up"
 
     def _send(self, peer: Address, round_name: str, data: bytes, deadline: float) -> None:
-        """Deliver ``data`` to ``peer`` until it acks or the deadline passes."""
-        delay, why = 0.05, "no answer"
+        """Deliver ``data`` to ``peer`` until its current attempt acks, the round is over or
+        the deadline passes; again if the peer starts a new attempt meanwhile."""
+        delay, tried = 0.05, False
         while not self._closed.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            try:
-                with socket.create_connection((peer.host, peer.port), min(IO_TIMEOUT, left)) as s:
-                    s.sendall(data)
-                    with s.makefile("rb") as stream:
-                        line = stream.readline(MAX_MESSAGE)
-                reply = json.loads(line.decode("utf-8")) if line else None
-                if isinstance(reply, dict) and reply.get("ack"):
-                    with self._changed:
-                        self._acked[(round_name, peer.task)] = True
-                        self._changed.notify_all()
-                    return
-                why = str(reply.get("why")) if isinstance(reply, dict) else "hung up"
-            except (OSError, ValueError) as error:
-                why = _reason(error)
             with self._changed:
-                self._why[peer.task] = why
-            self._closed.wait(min(delay, max(deadline - time.monotonic(), 0)))
-            delay = min(delay * 2, 1.0)
+                if round_name in self._finished:
+                    return
+                if not self._must_send(round_name, peer.task):
+                    self._changed.wait(min(0.5, left))
+                    continue
+            if tried:  # back off between tries
+                self._closed.wait(min(delay, max(deadline - time.monotonic(), 0)))
+                delay = min(delay * 2, 1.0)
+            tried = True
+            try:
+                reply = self._deliver(peer, data, min(IO_TIMEOUT, max(left, 0.01)))
+            except (OSError, ValueError) as error:
+                reply = _reason(error)
+            with self._changed:
+                if isinstance(reply, dict):
+                    self._acked[(round_name, peer.task)] = reply.get("attempt")
+                    self._changed.notify_all()
+                else:
+                    self._why[peer.task] = reply
 
     def exchange(
         self, round_name: str, body: Any, timeout: float, waiting_for: str
@@ -186,19 +279,14 @@ class Rendezvous:
         """Send ``body`` to every peer and collect theirs: ``{task: body}``, this one's included.
 
         Raises :class:`MissingWorkersError` when the round is not complete within
-        ``timeout`` seconds; ``waiting_for`` says what for, in its message.
+        ``timeout`` seconds (``waiting_for`` says what for, in its message), after
+        telling the peers it gave up; or at once when a peer left a round this
+        attempt shared with it (it gave up, or started again), naming the workers
+        that peer did not hear from.
         """
         deadline = time.monotonic() + timeout
         for peer in self.peers:
-            message = {
-                "protocol": PROTOCOL,
-                "session": self.session,
-                "round": round_name,
-                "from": self.me.task,
-                "to": peer.task,
-                "body": body,
-            }
-            data = (json.dumps(message) + "\n").encode("utf-8")
+            data = self._message(peer, round_name, body=body)
             self._start(self._send, peer, round_name, data, deadline)
 
         def missing() -> List[Address]:
@@ -206,14 +294,18 @@ class Rendezvous:
                 peer
                 for peer in self.peers
                 if (round_name, peer.task) not in self._mailbox
-                or not self._acked.get((round_name, peer.task))
+                or self._must_send(round_name, peer.task)
             ]
 
         with self._changed:
-            while missing() and time.monotonic() < deadline:
+            while missing() and not self._left and time.monotonic() < deadline:
                 self._changed.wait(min(0.5, max(deadline - time.monotonic(), 0.01)))
+            if self._left:
+                raise self._peer_left(waiting_for)
             absent = missing()
             if not absent:
+                self._finished.add(round_name)
+                self._changed.notify_all()
                 return {
                     self.me.task: body,
                     **{p.task: self._mailbox[(round_name, p.task)] for p in self.peers},
@@ -222,10 +314,11 @@ class Rendezvous:
             for peer in absent:
                 heard = (round_name, peer.task) in self._mailbox
                 why = "its message came, but it did not take ours" if heard else "nothing from it"
-                if not self._acked.get((round_name, peer.task)):
+                if self._must_send(round_name, peer.task):
                     why += f"; sending to it: {self._why.get(peer.task, 'no answer')}"
                 details.append(f"{peer.task} at {peer} ({why})")
         names = [peer.task for peer in absent]
+        self._give_up(round_name, names)
         raise MissingWorkersError(
             f"{self.me.task} gave up after {timeout:g} s {waiting_for}: "
             f"no answer from {', '.join(names)}. Details: {'; '.join(details)}. Start the "
@@ -235,9 +328,44 @@ class Rendezvous:
             self.me.task,
         )
 
+    def _peer_left(self, waiting_for: str) -> MissingWorkersError:
+        """The error when a peer left this attempt's rounds: its culprits, else the peer."""
+        peer, (what, culprits) = sorted(self._left.items())[0]
+        names = [str(name) for name in culprits] or [peer]
+        where = {address.task: f"{address.task} at {address}" for address in self.peers}
+        because = (
+            f": no answer from {', '.join(where.get(n, n) for n in names)}" if culprits else ""
+        )
+        return MissingWorkersError(
+            f"{self.me.task} stopped {waiting_for}: {peer} {what}{because}. Every worker "
+            "raises, so a retry of make_multiworker_strategy() on every worker meets again; "
+            "see docs/multiworker.md",
+            names,
+            self.me.task,
+        )
+
+    def _give_up(self, round_name: str, missing: Sequence[str]) -> None:
+        """Tell every peer (one short try each) that this attempt gave up and on whom, so that
+        a peer waiting in a later round does not wait for this one."""
+        if not self._finished:  # nobody waits on us beyond the first round
+            return
+
+        def tell(peer: Address) -> None:
+            data = self._message(peer, round_name, gave_up=list(missing))
+            with contextlib.suppress(OSError, ValueError):
+                self._deliver(peer, data, NOTICE_TIMEOUT)
+
+        notices = [threading.Thread(target=tell, args=(p,), daemon=True) for p in self.peers]
+        for notice in notices:
+            notice.start()
+        for notice in notices:
+            notice.join(NOTICE_TIMEOUT + 1)
+
     def close(self) -> None:
         """Stop listening and sending; when this returns, the port is free again."""
         self._closed.set()
+        with self._changed:
+            self._changed.notify_all()
         if self._listener is not None:
             self._listener.close()
         current = threading.current_thread()

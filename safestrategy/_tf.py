@@ -5,7 +5,12 @@ at ``import safestrategy``; :func:`tf_version` reads the installed version from
 package metadata, and :func:`import_tf` imports it when it is really needed.
 """
 
+import importlib
+import importlib.machinery
+import importlib.util
 import sys
+import threading
+import types
 from typing import Any, Dict, List, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
@@ -105,6 +110,79 @@ def import_tf() -> Any:
     except ImportError as error:
         raise ImportError(f"{INSTALL_HINT} ({error})") from error
     return tf
+
+
+#: Set to True in a module that stands in for TensorFlow's ``nccl_ops`` (ours), so that
+#: :func:`tf_nccl_ops` never takes it for TensorFlow's own.
+DROP_IN = "_safestrategy_drop_in"
+
+#: The names TensorFlow's ``nccl_ops`` has: in core, then (TF 1.12) in contrib only.
+TF_NCCL_OPS = ("tensorflow.python.ops.nccl_ops", "tensorflow.contrib.nccl.python.ops.nccl_ops")
+
+_nccl_ops: Optional[Any] = None
+_nccl_ops_lock = threading.Lock()
+
+
+def tf_nccl_ops() -> Any:
+    """TensorFlow's own ``nccl_ops`` module, even where an alias puts ours in its place.
+
+    Users whose code they cannot edit alias ours under TensorFlow's name
+    (``sys.modules["tensorflow.python.ops.nccl_ops"]`` and the package's
+    attribute), before or after TensorFlow imported its own. Importing that
+    name then gives ours, and calling it from ours would recurse. TensorFlow's
+    module registers the ``NcclAllReduce`` gradient when it runs, and running it
+    twice raises ``KeyError``, so: where TensorFlow's module already ran, its
+    namespace is the registered gradient's globals; where it never ran (the
+    alias came first), its file is run once, under a private name.
+    """
+    global _nccl_ops
+    with _nccl_ops_lock:
+        if _nccl_ops is None:
+            _nccl_ops = _find_tf_nccl_ops()
+        return _nccl_ops
+
+
+def _find_tf_nccl_ops() -> Any:
+    import_tf()
+    for name in TF_NCCL_OPS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if not getattr(module, DROP_IN, False):
+            return module
+        ran = _registered_nccl_ops()
+        return ran if ran is not None else _run_privately(name)
+    raise ImportError(f"this TensorFlow has none of {', '.join(TF_NCCL_OPS)}")
+
+
+def _registered_nccl_ops() -> Optional[Any]:
+    """TensorFlow's ``nccl_ops`` as it ran, from its registered gradient; None if it never ran."""
+    from tensorflow.python.framework import ops
+
+    try:
+        gradient = ops._gradient_registry.lookup("NcclAllReduce")
+    except LookupError:
+        return None
+    namespace = getattr(gradient, "__globals__", {})
+    if "_check_device" not in namespace:  # not the module we know: do not guess
+        return None
+    module = types.ModuleType(namespace["__name__"], namespace.get("__doc__"))
+    module.__dict__.update(namespace)
+    return module
+
+
+def _run_privately(name: str) -> Any:
+    """Run TensorFlow's ``nccl_ops`` file (``name`` is ours in ``sys.modules``) under a private
+    name: the first and only time it runs in this process."""
+    parent, _, leaf = name.rpartition(".")
+    found = importlib.machinery.PathFinder.find_spec(leaf, importlib.import_module(parent).__path__)
+    if found is None or found.origin is None:
+        raise ImportError(f"cannot find TensorFlow's own {name} behind the alias")
+    spec = importlib.util.spec_from_file_location(f"{name}_behind_safestrategy", found.origin)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def nccl_kernel_count(tf: Any) -> Optional[int]:

@@ -35,7 +35,10 @@ __all__ = ["MissingWorkersError", "make_multiworker_strategy"]
 
 logger = logging.getLogger("safestrategy")
 
-#: How many decisions each task has started in this process: the rendezvous session.
+#: How many decisions each task has completed in this process; the next one's number is
+#: the rendezvous session. A call that ended in MissingWorkersError does not count: every
+#: worker that is up raised it too, so a retry on each meets the others' (and a restarted
+#: worker's first call) again.
 _sessions: Dict[str, int] = {}
 _lock = threading.Lock()
 
@@ -162,25 +165,35 @@ def decide(
         facts = local_facts(_tf.import_tf())
     cluster, setting = request.cluster, request.setting
     with _lock:
-        session = _sessions[cluster.task] = _sessions.get(cluster.task, 0) + 1
-    with Rendezvous(cluster.me, cluster.peers, session) as rendezvous:
-        hellos = rendezvous.exchange(
-            "hello", _hello(request, facts), request.timeout, "waiting for the other workers"
-        )
-        problem = _mw_choose.disagreement(hellos)
-        if problem is not None:
-            raise ValueError(problem)
+        session = _sessions.get(cluster.task, 0) + 1
+    met = False
+    try:
+        with Rendezvous(cluster.me, cluster.peers, session) as rendezvous:
+            hellos = rendezvous.exchange(
+                "hello", _hello(request, facts), request.timeout, "waiting for the other workers"
+            )
+            met = True
+            problem = _mw_choose.disagreement(hellos)
+            if problem is not None:
+                raise ValueError(problem)
 
-        def check(name: str) -> CandidateResult:
-            if name == _mw_choose.RING:
-                result = CandidateResult(name, OK, _mw_choose.RING_REASON)
-            else:
-                result = _nccl_check(rendezvous, request, hellos)
-            if on_result is not None:
-                on_result(result)
-            return result
+            def check(name: str) -> CandidateResult:
+                if name == _mw_choose.RING:
+                    result = CandidateResult(name, OK, _mw_choose.RING_REASON)
+                else:
+                    result = _nccl_check(rendezvous, request, hellos)
+                if on_result is not None:
+                    on_result(result)
+                return result
 
-        decision = _mw_choose.decide(setting, check)
+            decision = _mw_choose.decide(setting, check)
+    except MissingWorkersError:
+        met = False
+        raise
+    finally:
+        if met:
+            with _lock:
+                _sessions[cluster.task] = session
     gpus = int(facts.get("gpus") or 0)
     report = Report(
         backend=decision.backend or "none",
@@ -257,6 +270,8 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     constructor. Every worker must call this (the same number of times); one that
     does not answer within ``SAFESTRATEGY_PROBE_TIMEOUT`` seconds makes it raise
     :class:`MissingWorkersError` (a ``TimeoutError``) naming it, on every worker.
+    Such a call does not count: calling again on every worker (or restarting the
+    missing one) meets again.
     """
     require_tf2()
     req = request(communication)

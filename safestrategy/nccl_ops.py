@@ -43,6 +43,10 @@ with a device (NumPy 2: ``"cpu"``) becomes a constant there, so on CPUs the
 equivalent sums it, and ``reduce_sum`` raises TensorFlow's ``ValueError``
 (``"cpu"`` is never the current device).
 
+Code that cannot be edited can get this module under TensorFlow's name
+(``sys.modules["tensorflow.python.ops.nccl_ops"]``, see docs/migrating.md):
+it never takes itself for TensorFlow's module (see ``_tf.tf_nccl_ops``).
+
 Importing this module imports no TensorFlow. TensorFlow's ``nccl_ops`` is
 imported on first use, which registers its gradients for the ``Nccl*`` ops
 (once: registering them again would raise ``KeyError``); the equivalent is
@@ -61,7 +65,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 from . import _nccl
 from ._devices import Device, parse_device
 from ._env import ENV_BACKEND, Setting, resolve_backend
-from ._tf import import_tf
+from ._tf import import_tf, tf_nccl_ops
 from .backends import CPU_DEVICE
 from .factory import NoWorkingBackendError
 from .report import OK, TIMEOUT, CandidateResult
@@ -69,6 +73,10 @@ from .report import OK, TIMEOUT, CandidateResult
 __all__ = ["all_max", "all_min", "all_prod", "all_sum", "broadcast", "reduce_sum"]
 
 logger = logging.getLogger("safestrategy")
+
+#: Marks this module as a stand-in for TensorFlow's (``_tf.DROP_IN``): aliased under
+#: TensorFlow's name, it is never taken for the module it replaces.
+_safestrategy_drop_in = True
 
 NCCL = _nccl.NCCL
 
@@ -163,13 +171,9 @@ def broadcast(tensor: Any) -> Any:
 
 
 def _tf_nccl_ops() -> Any:
-    """TensorFlow's own ``nccl_ops`` module, imported (and its gradients registered) once."""
-    import_tf()
-    try:
-        from tensorflow.python.ops import nccl_ops
-    except ImportError:  # TF 1.12 has it in contrib only
-        from tensorflow.contrib.nccl.python.ops import nccl_ops
-    return nccl_ops
+    """TensorFlow's own ``nccl_ops`` module (run, and its gradients registered, once),
+    never this one, even where this one is aliased under TensorFlow's name."""
+    return tf_nccl_ops()
 
 
 def _checked(tensors: Sequence[Any], function: str) -> List[Any]:

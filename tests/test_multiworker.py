@@ -242,11 +242,17 @@ def test_foreign_traffic_and_stale_sessions_do_not_confuse_it():
                 return s.makefile("rb").read()
 
         assert talk(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n") == b""  # a gRPC client: hung up on
-        message = {"protocol": PROTOCOL, "from": "worker:1", "to": "worker:0", "round": "hello"}
+        message = {
+            "protocol": PROTOCOL,
+            "attempt": ["elsewhere", 1],
+            "from": "worker:1",
+            "to": "worker:0",
+            "round": "hello",
+        }
         stale = talk((json.dumps({**message, "session": 1, "body": "old"}) + "\n").encode())
         early = talk((json.dumps({**message, "session": 3, "body": "new"}) + "\n").encode())
         wrong = talk((json.dumps({**message, "session": 2, "to": "worker:7"}) + "\n").encode())
-        assert json.loads(stale) == {"ack": True}
+        assert json.loads(stale) == {"ack": True, "attempt": "a later session"}
         assert json.loads(early)["ack"] is False
         assert "not worker:7's" in json.loads(wrong)["why"]
         assert rendezvous._mailbox == {}
@@ -369,6 +375,76 @@ def test_a_worker_never_started_is_named_within_the_bound(fake_mw):
         assert isinstance(results[task], MissingWorkersError)
         assert results[task].missing == ("worker:2",)
         assert "no answer from worker:2" in str(results[task])
+
+
+def test_a_late_worker_and_a_retrying_one_meet_and_only_the_absent_one_is_named(fake_mw):
+    """Worker 0 retries after MissingWorkersError (in-process, as a user's loop would);
+    worker 1 starts after worker 0's first call gave up. They meet on worker 1's first
+    call (before: worker 0 stayed one session ahead, and both named the other as silent)."""
+    configs = tf_configs(2)
+    outcomes = {"worker:0": [], "worker:1": []}
+    cpu = {"gpus": 0, "nccl_kernels": 0, "tf_version": "2.99.0"}
+
+    def worker(i, delay):
+        time.sleep(delay)
+        request = multiworker.Request(
+            _cluster.parse_tf_config(configs[i]), resolve_communication(None), 2.0, True
+        )
+        for _ in range(4):
+            try:
+                outcomes[f"worker:{i}"].append(multiworker.decide(request, cpu))
+                return
+            except MissingWorkersError as error:
+                outcomes[f"worker:{i}"].append(error)
+
+    threads = [threading.Thread(target=worker, args=a, daemon=True) for a in ((0, 0), (1, 3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    *errors, report = outcomes["worker:0"]
+    assert errors and all(error.missing == ("worker:1",) for error in errors)
+    assert report.backend == "ring"
+    assert [type(o) for o in outcomes["worker:1"]] == [type(report)], outcomes["worker:1"]
+
+
+def test_a_peer_that_leaves_a_later_round_stops_the_others_at_once_naming_its_culprit():
+    """Three workers: worker 2 dies after "hello"; worker 1 gives up on it first and says so,
+    so worker 0 stops at once naming worker 2 (not worker 1, which answered) and does not
+    wait on the dead round."""
+    addresses = [Address(f"worker:{i}", "127.0.0.1", p) for i, p in enumerate(free_ports(3))]
+    results = {}
+
+    def worker(i, timeout):
+        me = addresses[i]
+        try:
+            with Rendezvous(me, [a for a in addresses if a != me], 1) as rendezvous:
+                rendezvous.exchange("hello", i, 10.0, "(test)")
+                if i == 2:
+                    return  # "dies"
+                started = time.monotonic()
+                try:
+                    rendezvous.exchange("verdict", i, timeout, "(test)")
+                finally:
+                    results[f"{me.task} seconds"] = time.monotonic() - started
+        except Exception as error:
+            results[me.task] = error
+
+    threads = [
+        threading.Thread(target=worker, args=a, daemon=True) for a in ((0, 30.0), (1, 1.0), (2, 1))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for task in ("worker:0", "worker:1"):
+        assert isinstance(results[task], MissingWorkersError)
+        assert results[task].missing == ("worker:2",)
+    assert "worker:1 gave up verdict: no answer from worker:2 at 127.0.0.1:" in str(
+        results["worker:0"]
+    )
+    assert results["worker:0 seconds"] < 10
 
 
 # --- the real thing: TensorFlow -----------------------------------------------------------

@@ -9,6 +9,7 @@ session runs, with the smoke check replaced where its outcome matters.
 """
 
 import inspect
+import json
 import logging
 
 import numpy as np
@@ -20,7 +21,7 @@ from safestrategy._devices import parse_devices
 from safestrategy._env import resolve_backend
 from safestrategy.report import FAILED, OK, CandidateResult
 
-from .conftest import run_python
+from .conftest import ROOT, run_python
 
 SEED_ERROR = "No OpKernel was registered to support Op 'NcclAllReduce'"
 FUNCTIONS = ("all_sum", "all_prod", "all_min", "all_max", "reduce_sum", "broadcast")
@@ -520,3 +521,31 @@ def test_setting_is_part_of_the_cache_key(tf, monkeypatch):
         monkeypatch.setenv("SAFESTRATEGY_BACKEND", "reduce_to_cpu")
         nccl_ops.all_sum(placed(tf, inputs(2)))
     assert sorted(key[1].names[0] for key in nccl_ops._decisions) == ["nccl", "reduce_to_cpu"]
+
+
+# --- aliased under TensorFlow's name ------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_aliased_under_tensorflows_name_it_sums_and_tensorflows_own_code_uses_it(tf, order):
+    """docs/migrating.md's alias, set before or after ``import tensorflow`` (a process of its
+    own each: the alias must be in place before TensorFlow imports its modules)."""
+    done = run_python(
+        str(ROOT / "tests" / "nccl_alias.py"),
+        order,
+        env={"PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[0][len("RESULT ") :])
+    sums = [[6.0, 60.0]] * 3
+    modes = ["eager", "function"] if tf.__version__.startswith("2.") else ["graph"]
+    assert result["imported_ours"] and result["real_is_tensorflows"]
+    assert result["all_sum"] == {mode: sums for mode in modes}
+    gradient_mode = modes[0]
+    assert result["gradient"] == {gradient_mode: [[3.0, 3.0]] * 3}
+    # TF 1.x imports all_reduce (and its nccl_ops) with tensorflow: only the alias set first
+    # reaches it there. TF 2.x imports it on demand, after either.
+    assert result["all_reduce_uses_ours"] == (order == "before" or modes != ["graph"])
+    if result["all_reduce_uses_ours"]:
+        assert result["all_reduce"] == {mode: sums for mode in modes}
