@@ -160,7 +160,8 @@ def _decide(
     setting = request.setting
     opts = request.nccl
     stalls = _stalls.recorded(tf, [str(d) for d in devices], opts.cache, opts.refresh)
-    key = (devices, setting.mode, setting.names, opts._replace(refresh=False), stalls)
+    recorded = tuple((stall.backend, stall.when) for stall in stalls)
+    key = (devices, setting.mode, setting.names, opts._replace(refresh=False), recorded)
     with _lock:
         remembered = None if request.nccl.refresh else _decisions.get(key)
     if remembered is None:
