@@ -9,7 +9,7 @@ logical CPUs; a layer calls ``tf.py_function`` that sleeps as the scenario says.
 - ``block``: the 5th step blocks for an hour (a hung all-reduce, as far as anyone
   can tell); a probe process is left open (the fake one) to show ``exit`` ends it too.
 - ``slow``: the 5th step takes 2 T, then training goes on.
-- ``never``: a first step 0.9 T, steps of 0.8 T, 3 T idle after ``fit``, then a
+- ``never``: a first step that compiles, fast steps, steps of 0.8 T, 3 T idle after ``fit``, then a
   notebook-like loop that pauses 1.5 T between cells: none of it is a stall.
 - ``report``: build the strategy only and print its report as JSON.
 
@@ -19,6 +19,7 @@ Lines starting with ``MARK`` carry ``time.time()`` so the test can time the ERRO
 import logging
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +38,7 @@ logging.basicConfig(
 _tf.configure_logical_cpus(tf, 2)
 DEVICES = ["/cpu:0", "/cpu:1"]
 sleep_for = {"seconds": 0.0}
+lock = threading.Lock()
 
 
 def mark(text):
@@ -44,7 +46,8 @@ def mark(text):
 
 
 def pause(x):
-    seconds = sleep_for["seconds"]
+    with lock:  # one replica sleeps per step; the step waits for it
+        seconds, sleep_for["seconds"] = sleep_for["seconds"], 0.0
     if seconds:
         time.sleep(seconds)  # the stuck line
     return x
@@ -66,11 +69,11 @@ class Steps(tf.keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         sleep_for["seconds"] = self.plan.get(batch, 0.0)
-        if batch == 4:
-            mark("step 5 starts")
+        mark(f"step {batch + 1} starts")
 
     def on_train_batch_end(self, batch, logs=None):
         sleep_for["seconds"] = 0.0
+        mark(f"step {batch + 1} ends")
 
 
 strategy = safestrategy.make_mirrored_strategy(DEVICES)
@@ -97,7 +100,7 @@ elif SCENARIO == "slow":
     left = _stalls.recorded(tf, safestrategy.last_report().devices)
     print(f"RECORDS {len(left)}", flush=True)
 elif SCENARIO == "never":
-    plan = {0: 0.9 * T, 1: 0.8 * T, 2: 0.8 * T, 3: 0.8 * T}
+    plan = {3: 0.8 * T, 4: 0.8 * T, 5: 0.8 * T}
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps(plan)])
     mark("idle")
     time.sleep(3 * T)

@@ -334,6 +334,10 @@ def test_long_steps_a_long_first_step_idle_and_pauses_never_fire(tf2, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "DONE" in run.stdout
     assert logged(run.stderr, "ERROR") == []
+    found = re.findall(r"^MARK (\S+) (step \d+ \w+)$", run.stderr, re.MULTILINE)
+    marks = {label: float(when) for when, label in found}
+    took = {n: marks[f"step {n} ends"] - marks[f"step {n} starts"] for n in (1, 2, 4)}
+    assert took[1] > took[2] and took[4] >= 0.8 * T  # compiling, a normal step, a long one
     assert not list((tmp_path / "cache").glob("stall-*.json"))
 
 
