@@ -16,7 +16,7 @@ from safestrategy._devices import parse_devices
 from safestrategy._watchdog import INPUT, OP, SESSION, STEP, advance, classify, outermost_call
 from safestrategy.report import Report
 
-from .conftest import needs_tf, run_python
+from .conftest import ROOT, needs_tf, run_python
 
 SITE = "/venv/lib/python3.11/site-packages"
 TF221 = f"{SITE}/tensorflow/python"
@@ -363,7 +363,9 @@ def test_tf1_session_run_is_watched(tf1, tmp_path):
         "SAFESTRATEGY_STALL_ACTION": "exit",
         "SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"),
     }
-    run = run_python("-c", TF1_SCRIPT, env=env, timeout=240)
+    script = tmp_path / "tf1_stall.py"
+    script.write_text(TF1_SCRIPT)
+    run = run_python(str(script), env={**env, "PYTHONPATH": str(ROOT)}, timeout=240)
     assert run.returncode == 75, run.stderr[-3000:]
     assert "in session.run (the training step in TF1 graph mode)" in run.stderr
     assert "session.run(stuck)" in run.stderr
