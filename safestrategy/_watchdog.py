@@ -182,7 +182,7 @@ def _remedies(backend: str, multiworker: bool, nccl: Mapping[str, str]) -> List[
         if multiworker
         else (_env.ENV_BACKEND, BACKEND_NAMES)
     )
-    others = [name for name in names if name != backend]
+    others = [name for name in names if name not in (backend, "nccl")]  # the safe ones
     tips.append(
         f"another backend: {variable}={others[0]}"
         + (f" (or {', '.join(others[1:])})" if others[1:] else "")
