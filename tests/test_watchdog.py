@@ -321,23 +321,25 @@ def test_a_blocked_step_is_reported_ends_the_process_and_is_remembered(tf2, tmp_
 def test_a_slow_step_is_an_error_then_info_and_no_record(tf2, tmp_path):
     run = train("slow", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    errors, infos = logged(run.stderr, "ERROR"), logged(run.stderr, "INFO")
-    assert len(errors) == 1
-    finished = [when for when, text in infos if "finished after all" in text]
-    assert finished and finished[0] > errors[0][0]
+    started = float(re.search(r"^MARK (\S+) step 5 starts", run.stderr, re.MULTILINE).group(1))
+    errors = [when for when, _ in logged(run.stderr, "ERROR")]
+    finished = [when for when, text in logged(run.stderr, "INFO") if "finished after all" in text]
+    # (a loaded machine may compile the first step for longer than T: a stall that ends too)
+    assert len([when for when in errors if when > started]) == 1
+    assert len(finished) == len(errors) and all(e < f for e, f in zip(errors, finished))
     assert "RECORDS 0" in run.stdout
 
 
 @needs_tf
 def test_long_steps_a_long_first_step_idle_and_pauses_never_fire(tf2, tmp_path):
-    run = train("never", tmp_path)
+    run = train("never", tmp_path, SAFESTRATEGY_STALL_TIMEOUT="6")  # the first compile < 6 s
     assert run.returncode == 0, run.stderr[-3000:]
     assert "DONE" in run.stdout
     assert logged(run.stderr, "ERROR") == []
     found = re.findall(r"^MARK (\S+) (step \d+ \w+)$", run.stderr, re.MULTILINE)
     marks = {label: float(when) for when, label in found}
     took = {n: marks[f"step {n} ends"] - marks[f"step {n} starts"] for n in (1, 2, 4)}
-    assert took[1] > took[2] and took[4] >= 0.8 * T  # compiling, a normal step, a long one
+    assert took[1] > took[2] and took[4] >= 0.8 * 6  # compiling, a normal step, a long one
     assert not list((tmp_path / "cache").glob("stall-*.json"))
 
 
