@@ -8,6 +8,7 @@ logical CPUs; a layer calls ``tf.py_function`` that sleeps as the scenario says.
 
 - ``block``: the 5th step blocks for an hour (a hung all-reduce, as far as anyone
   can tell); a probe process is left open (the fake one) to show ``exit`` ends it too.
+  The step is compiled before the watchdog is on, so only the 5th step can stall.
 - ``slow``: the 5th step takes 2 T, then training goes on.
 - ``never``: a first step that compiles, fast steps, steps of 0.8 T, 3 T idle after ``fit``, then a
   notebook-like loop that pauses 1.5 T between cells: none of it is a stall.
@@ -76,6 +77,8 @@ class Steps(tf.keras.callbacks.Callback):
         mark(f"step {batch + 1} ends")
 
 
+if SCENARIO == "block":  # unwatched until compiled: a loaded machine may compile for > T
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = "off"
 strategy = safestrategy.make_mirrored_strategy(DEVICES)
 if SCENARIO == "report":
     print(safestrategy.last_report().to_json(indent=None), flush=True)
@@ -93,6 +96,9 @@ if SCENARIO == "block":
     ]
     os.environ["FAKE_WORKER"] = "hang"
     _probe.start({"job": "mirrored", "devices": DEVICES}, 60)  # left open on purpose
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # compiles the step
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = f"{T:g}"
+    safestrategy.make_mirrored_strategy(DEVICES)  # the same decision; now watched
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 3600.0})])
 elif SCENARIO == "slow":
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 2 * T})])
