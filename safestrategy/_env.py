@@ -18,6 +18,8 @@ ENV_CACHE = "SAFESTRATEGY_CACHE"
 ENV_CACHE_DIR = "SAFESTRATEGY_CACHE_DIR"
 ENV_NCCL_REMEDIES = "SAFESTRATEGY_NCCL_REMEDIES"
 ENV_COMMUNICATION = "SAFESTRATEGY_COMMUNICATION"
+ENV_STALL_TIMEOUT = "SAFESTRATEGY_STALL_TIMEOUT"
+ENV_STALL_ACTION = "SAFESTRATEGY_STALL_ACTION"
 
 #: Seconds one smoke check may take before it is abandoned.
 DEFAULT_TIMEOUT = 60.0
@@ -26,6 +28,11 @@ DEFAULT_TIMEOUT = 60.0
 MAX_TIMEOUT = 86400.0
 
 AUTO = "auto"
+
+#: Seconds one TensorFlow call may run before the watchdog calls it a stall.
+DEFAULT_STALL_TIMEOUT = 600.0
+#: What the watchdog does about a stall: log and keep waiting, or log and end the process.
+STALL_ACTIONS: Tuple[str, ...] = ("warn", "exit")
 
 #: ``MultiWorkerMirroredStrategy`` communications, in ``auto`` order.
 COMMUNICATION_NAMES: Tuple[str, ...] = ("nccl", "ring")
@@ -155,3 +162,39 @@ def cache_dir(environ: Optional[Mapping[str, str]] = None) -> str:
     import platformdirs  # here, not at import: only a probe that caches needs it
 
     return platformdirs.user_cache_dir("safestrategy", appauthor=False)
+
+
+class StallSettings(NamedTuple):
+    """The stall watchdog's settings: seconds before a call is a stall (None: off), and
+    what to do then ("warn" or "exit")."""
+
+    timeout: Optional[float]
+    action: str
+
+
+def resolve_stall(environ: Optional[Mapping[str, str]] = None) -> StallSettings:
+    """``SAFESTRATEGY_STALL_TIMEOUT`` (seconds, default 600, ``off``) and
+    ``SAFESTRATEGY_STALL_ACTION`` (``warn`` default, ``exit``); ``ValueError`` for bad values."""
+    environ = os.environ if environ is None else environ
+    value = _from_env(environ, ENV_STALL_TIMEOUT)
+    timeout: Optional[float] = DEFAULT_STALL_TIMEOUT
+    if value is not None and value.strip().lower() == "off":
+        timeout = None
+    elif value is not None:
+        try:
+            timeout = float(value)
+        except ValueError:
+            timeout = math.nan
+        if not 0 < timeout <= MAX_TIMEOUT:  # also false for NaN
+            raise ValueError(
+                f"{value!r} from the environment variable {ENV_STALL_TIMEOUT} is not valid; "
+                f"give a positive number of seconds up to {MAX_TIMEOUT:g} "
+                f"(default {DEFAULT_STALL_TIMEOUT:g}), or off"
+            )
+    action = (_from_env(environ, ENV_STALL_ACTION) or STALL_ACTIONS[0]).strip().lower()
+    if action not in STALL_ACTIONS:
+        raise ValueError(
+            f"{environ[ENV_STALL_ACTION]!r} from the environment variable {ENV_STALL_ACTION} "
+            f"is not valid; valid values are {', '.join(STALL_ACTIONS)}"
+        )
+    return StallSettings(timeout, action)

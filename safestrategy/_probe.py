@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
 from ._allreduce import from_reply
@@ -132,6 +133,16 @@ def _command(request: Mapping[str, Any]) -> List[str]:
     return [sys.executable, "-c", _BOOTSTRAP.format(root=root), json.dumps(request)]
 
 
+#: Probe processes not closed yet, so that an ending process can leave none behind.
+_open: "weakref.WeakSet[ProbeProcess]" = weakref.WeakSet()
+
+
+def close_all() -> None:
+    """Kill and reap every probe process still open (a process about to ``os._exit``)."""
+    for process in list(_open):
+        process.close()
+
+
 class ProbeProcess:
     """One probe process and its line-based JSON conversation; a context manager that
     kills and reaps it however the block ends."""
@@ -157,6 +168,7 @@ class ProbeProcess:
             )
         except (OSError, ValueError) as error:
             raise ProbeDied(f"could not start: {type(error).__name__}: {error}") from None
+        _open.add(self)
         self.replies: queue.Queue = queue.Queue()
         self.stderr: Deque[str] = collections.deque(maxlen=40)
         for target in (self._read_stdout, self._read_stderr):

@@ -13,13 +13,13 @@ import platform as _platform
 import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from . import _nccl, _probe, _tf, choose
+from . import _nccl, _probe, _stalls, _tf, _watchdog, choose
 from ._allreduce import graph_api, session_config, smoke_check
 from ._devices import Device, parse_devices, require_existing
-from ._env import Setting, resolve_backend
+from ._env import Setting, resolve_backend, resolve_stall
 from .backends import build_cross_device_ops, build_strategy, check_kwargs, get_backend
 from .choose import Decision, failure_message, override_hint
-from .report import FAILED, OK, TIMEOUT, CandidateResult, Report
+from .report import FAILED, OK, TIMEOUT, CandidateResult, Report, Stall
 
 logger = logging.getLogger("safestrategy")
 
@@ -70,11 +70,20 @@ class _Checks:
     """Runs one candidate's smoke check at a time for one device set, each where it belongs."""
 
     def __init__(
-        self, tf: Any, devices: Tuple[Device, ...], opts: _nccl.Options, graph: Optional[Any]
+        self,
+        tf: Any,
+        devices: Tuple[Device, ...],
+        opts: _nccl.Options,
+        graph: Optional[Any],
+        mode: str = "auto",
+        stalls: Tuple[Stall, ...] = (),
     ) -> None:
         """``graph``: the caller's :func:`~safestrategy._allreduce.graph_api` (None: eager),
-        asked in the caller's thread: the checks run in threads of their own."""
+        asked in the caller's thread: the checks run in threads of their own. ``mode``: the
+        setting's; ``stalls``: the backends that stalled in an earlier training here."""
         self.tf, self.devices, self.opts = tf, devices, opts
+        # A backend that stalled in an earlier training fails, unless forced (the watchdog).
+        self.stalled = {s.backend: s for s in stalls} if mode != "forced" else {}
         self.era = _tf.era(tf.__version__)
         self.names = [str(device) for device in devices]
         self.gpu = any(device.kind == "GPU" for device in devices)
@@ -86,6 +95,8 @@ class _Checks:
         self.start_failure = ""  #: why the probe process could not start, once it could not
 
     def __call__(self, name: str) -> CandidateResult:
+        if name in self.stalled:
+            return _stalls.verdict(self.stalled[name], self.devices, self.opts)
         if name == _nccl.NCCL:
             return _nccl.verdict(self.tf, self.devices, self.opts)
         if get_backend(name).needs_gpu and not self.gpu:
@@ -154,11 +165,14 @@ def _decide(
     setting = request.setting
     graph = graph_api(tf)  # the caller's execution mode: graph-mode checks drive another path
     mode = "eager" if graph is None else "graph"
-    key = (devices, mode, setting.mode, setting.names, request.nccl._replace(refresh=False))
+    opts = request.nccl
+    stalls = _stalls.recorded(tf, [str(d) for d in devices], opts.cache, opts.refresh)
+    recorded = tuple((stall.backend, stall.when) for stall in stalls)
+    key = (devices, mode, setting.mode, setting.names, opts._replace(refresh=False), recorded)
     with _lock:
-        remembered = None if request.nccl.refresh else _decisions.get(key)
+        remembered = None if opts.refresh else _decisions.get(key)
     if remembered is None:
-        checks = _Checks(tf, devices, request.nccl, graph)
+        checks = _Checks(tf, devices, opts, graph, setting.mode, stalls)
 
         def check(name: str) -> CandidateResult:
             result = checks(name)
@@ -187,6 +201,7 @@ def _decide(
         wsl=_probe.is_wsl(),
         nccl_kernels=kernels,
         python=_platform.python_version(),
+        stalls=stalls,
     )
     if decision.backend is None:
         raise NoWorkingBackendError(failure_message(devices, decision.results, setting), report)
@@ -271,6 +286,7 @@ def make_mirrored_strategy(
     if own_ops is not None and backend is not None:
         raise ValueError("pass either backend= or your own cross_device_ops, not both")
     request = None if own_ops is not None else _request(devices, backend, None)
+    stall_settings = resolve_stall()
     tf = _tf.import_tf()
     era = _tf.era(tf.__version__)
     mirrored = tf.contrib.distribute if era == "contrib-tower" else tf.distribute
@@ -281,6 +297,7 @@ def make_mirrored_strategy(
     else:
         report, fresh = _decide(request, None)
         _log(report, request.setting, fresh)
+        _stalls.warn_forced(report, request.setting)
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         if chosen is not None and chosen.remedy:
             _nccl.apply_remedy(chosen.remedy, report.devices)
@@ -288,6 +305,7 @@ def make_mirrored_strategy(
         strategy = build_strategy(tf, era, list(report.devices), ops, **kwargs)
     with _lock:
         _last_report = report
+    _watchdog.watch(stall_settings, report)
     return strategy
 
 

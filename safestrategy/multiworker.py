@@ -17,12 +17,13 @@ import socket
 import threading
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import _cluster, _mw_check, _mw_choose, _nccl, _probe, _tf, factory
+from . import _cluster, _mw_check, _mw_choose, _nccl, _probe, _tf, _watchdog, factory
 from ._cluster import Cluster
 from ._env import (
     ENV_NCCL_REMEDIES,
     Setting,
     resolve_communication,
+    resolve_stall,
     resolve_switch,
     resolve_timeout,
 )
@@ -275,6 +276,7 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     """
     require_tf2()
     req = request(communication)
+    stall_settings = resolve_stall()
     tf = _tf.import_tf()
     _check_kwargs(tf, kwargs)
     report = decide(req)
@@ -285,4 +287,5 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
         _nccl.apply_remedy(chosen.remedy, workers)
     strategy = _mw_check.build_strategy(tf, report.backend, kwargs)
     factory._set_last_report(report)
+    _watchdog.watch(stall_settings, report)
     return strategy

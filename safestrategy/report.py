@@ -38,6 +38,28 @@ class CandidateResult(NamedTuple):
         return data
 
 
+class Stall(NamedTuple):
+    """A stall recorded during an earlier training on these devices (see the watchdog)."""
+
+    backend: str
+    seconds: float  #: how long the stuck call had run when it was called a stall
+    when: str  #: ISO 8601 local time the stall fired
+    #: The NCCL remedy in use when it stalled (``{}``: none), so the next one is tried next.
+    remedy: Mapping[str, str] = {}
+
+    def line(self) -> str:
+        """One human-readable line, as the CLI prints it."""
+        remedy = "".join(f", with {name}={value}" for name, value in self.remedy.items())
+        return f"  {self.backend:<18} stalled during training on {self.when} after " + (
+            f"{self.seconds:g} s{remedy}"
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        data = self._asdict()
+        data["remedy"] = dict(self.remedy)
+        return data
+
+
 class Report(NamedTuple):
     """What was probed and decided. Immutable; ``to_dict()`` is JSON-ready."""
 
@@ -55,11 +77,14 @@ class Report(NamedTuple):
     python: str = ""
     workers: Optional[int] = None  #: multi-worker: how many workers; None for one machine
     task: Optional[str] = None  #: multi-worker: this process's task, e.g. "worker:0"
+    #: Stalls recorded for this machine and device set by the watchdog in earlier runs.
+    stalls: Tuple[Stall, ...] = ()
 
     def to_dict(self) -> Dict[str, Any]:
         data = self._asdict()
         data["devices"] = list(self.devices)
         data["candidates"] = [candidate.to_dict() for candidate in self.candidates]
+        data["stalls"] = [stall.to_dict() for stall in self.stalls]
         return data
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -82,4 +107,7 @@ class Report(NamedTuple):
             lines.append(f"workers      {self.workers} (this is {known(self.task)})")
         lines.append("candidates")
         lines.extend(candidate.line() for candidate in self.candidates)
+        if self.stalls:
+            lines.append("stalls recorded (python -m safestrategy --refresh forgets them)")
+            lines.extend(stall.line() for stall in self.stalls)
         return "\n".join(lines)

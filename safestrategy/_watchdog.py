@@ -1,0 +1,342 @@
+"""The stall watchdog: a training that stops making progress is noticed and explained.
+
+One daemon thread per process samples Python's own view of every thread
+(``sys._current_frames()``) every few seconds. On each thread it finds the
+outermost frame of one TensorFlow execution call (:data:`ENTRY_POINTS`): a
+``tf.function`` call (the training step), an eager op, a TF1 ``session.run``,
+an iterator's ``get_next``. The same frame object on later samples is the
+same call still running; when it has run for longer than
+``SAFESTRATEGY_STALL_TIMEOUT`` that is a stall. A thread that is in no
+TensorFlow call (a notebook between cells, a script after training) is never
+one. Nothing wraps TensorFlow's calls, so a training step costs exactly what it
+cost before; the price is one walk over the threads' stacks per sample.
+
+Deciding is pure (:func:`outermost_call`, :func:`advance`, :func:`message`);
+:func:`watch` starts the thread, which logs, records the stall
+(:mod:`safestrategy._stalls`) and, with ``SAFESTRATEGY_STALL_ACTION=exit``,
+ends the process with :data:`EXIT_CODE`.
+"""
+
+import contextlib
+import fnmatch
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+
+from . import _env, _probe, _stalls, _tf
+from ._nccl import REMEDIES
+from .backends import BACKEND_NAMES
+from .report import Report
+
+logger = logging.getLogger("safestrategy")
+
+#: ``EX_TEMPFAIL``: a hung collective never returns, so a scheduler's restart is the way out.
+EXIT_CODE = 75
+
+STEP = "step"  #: a tf.function call: under Keras fit, the training step (input included)
+OP = "op"  #: one eager op
+SESSION = "session"  #: TF1 (or compat.v1) session.run: the training step in graph mode
+INPUT = "input"  #: an iterator's get_next outside a step
+
+_ITERATOR_CALLS = ("get_next", "get_next_as_optional", "__next__", "next")
+
+#: Where TensorFlow runs something, by file (under ``tensorflow/python/``, or
+#: ``tensorflow_core/python/`` on TF 1.15) and function; read from the sources of
+#: TF 1.15 and 2.21. ``None``: any function of the file.
+ENTRY_POINTS: Tuple[Tuple[str, Optional[Tuple[str, ...]], str], ...] = (
+    # tf.function: polymorphic_function.Function (TF 2.13+), def_function.Function
+    # (TF 1.15-2.12), and the concrete / defun functions below them (TF 1.x eager: function.py).
+    ("eager/polymorphic_function/polymorphic_function.py", ("__call__",), STEP),
+    ("eager/polymorphic_function/concrete_function.py", ("__call__",), STEP),
+    ("eager/def_function.py", ("__call__",), STEP),
+    ("eager/function.py", ("__call__",), STEP),
+    # Eager ops: the slow path, and the generated wrappers whose fast path is all C.
+    ("eager/execute.py", ("quick_execute", "execute_with_cancellation"), OP),
+    ("ops/gen_*_ops.py", None, OP),
+    # TF1 graph mode: Session.run, and the callables Keras's backend makes from a session.
+    ("client/session.py", ("run", "partial_run", "__call__"), SESSION),
+    ("data/ops/iterator_ops.py", _ITERATOR_CALLS, INPUT),
+    ("data/ops/multi_device_iterator_ops.py", _ITERATOR_CALLS, INPUT),
+)
+
+_PATTERNS = tuple(
+    (f"*/{root}/python/{path}", names, kind)
+    for root in ("tensorflow", "tensorflow_core")
+    for path, names, kind in ENTRY_POINTS
+)
+
+#: Packages whose frames are not the user's: a stack is trimmed to the user's frames.
+_LIBRARIES = ("tensorflow", "tensorflow_core", "tensorflow_estimator", "keras", "tf_keras")
+
+WHERE = {
+    STEP: "in the training step (input reading included)",
+    OP: "in an eager TensorFlow op",
+    SESSION: "in session.run (the training step in TF1 graph mode)",
+    INPUT: "waiting for input data (an iterator's get_next, outside a step)",
+}
+
+
+def classify(code: Any) -> Optional[str]:
+    """The kind of TensorFlow execution call ``code`` is (:data:`ENTRY_POINTS`), or None."""
+    filename = code.co_filename.replace(os.sep, "/")
+    for pattern, names, kind in _PATTERNS:
+        if (names is None or code.co_name in names) and fnmatch.fnmatchcase(filename, pattern):
+            return kind
+    return None
+
+
+def outermost_call(frame: Any) -> Optional[Tuple[Any, str]]:
+    """The outermost TensorFlow execution frame on the stack ending at ``frame``, and its
+    kind; None when the thread is in no TensorFlow call."""
+    found = None
+    while frame is not None:
+        kind = classify(frame.f_code)
+        if kind is not None:
+            found = frame, kind
+        frame = frame.f_back
+    return found
+
+
+class Watched(NamedTuple):
+    """One thread's TensorFlow call, as first seen."""
+
+    call: Any  #: its outermost TF frame: the same object for as long as the call runs
+    kind: str
+    since: float  #: when it was first seen (monotonic seconds)
+    fired: bool = False  #: already reported as a stall
+
+
+class Event(NamedTuple):
+    """A stall fired (``stalled``) or a stalled call finished after all (``finished``)."""
+
+    what: str
+    thread: int
+    watched: Watched
+    seconds: float
+
+
+STALLED, FINISHED = "stalled", "finished"
+
+
+def advance(
+    state: Mapping[int, Watched],
+    seen: Mapping[int, Tuple[Any, str]],
+    now: float,
+    timeout: float,
+) -> Tuple[Dict[int, Watched], List[Event]]:
+    """One sample: the threads' calls now (``seen``: thread -> (frame, kind)) against
+    what was watched. A call is the same while its frame is the same object; one that
+    has run for ``timeout`` seconds fires once; a fired one that is gone has finished."""
+    watched: Dict[int, Watched] = {}
+    events: List[Event] = []
+    for thread, old in state.items():
+        current = seen.get(thread)
+        if current is not None and current[0] is old.call:
+            watched[thread] = old
+        elif old.fired:
+            events.append(Event(FINISHED, thread, old, now - old.since))
+    for thread, (call, kind) in seen.items():
+        watched.setdefault(thread, Watched(call, kind, now))
+    for thread, call in list(watched.items()):
+        if not call.fired and now - call.since >= timeout:
+            watched[thread] = call._replace(fired=True)
+            events.append(Event(STALLED, thread, call, now - call.since))
+    return watched, events
+
+
+def _is_library(filename: str) -> bool:
+    parts = filename.replace(os.sep, "/").split("/")
+    return any(
+        part in ("site-packages", "dist-packages") and parts[i + 1] in _LIBRARIES
+        for i, part in enumerate(parts[:-1])
+    )
+
+
+def stack_text(frame: Any, entry: Any) -> str:
+    """The stack ending at ``frame``, trimmed to the user's frames plus the TF ``entry``."""
+    frames = []
+    while frame is not None:
+        frames.append((frame, frame.f_lineno))
+        frame = frame.f_back
+    kept = [
+        traceback.FrameSummary(f.f_code.co_filename, line, f.f_code.co_name)
+        for f, line in reversed(frames)
+        if f is entry or not _is_library(f.f_code.co_filename)
+    ]
+    return "".join(traceback.StackSummary.from_list(kept).format()).rstrip()
+
+
+def _remedies(backend: str, multiworker: bool, nccl: Mapping[str, str]) -> List[str]:
+    tips = []
+    if backend in ("nccl", "collective", "NcclAllReduce"):
+        fixes = [f"{n}=1" for n, _ in REMEDIES if n not in nccl]
+        if fixes:
+            tips.append(f"NCCL's own fixes, one at a time: {', then '.join(fixes)}")
+        tips.append("NCCL_DEBUG=INFO shows where NCCL waits")
+    variable, names = (
+        (_env.ENV_COMMUNICATION, _env.COMMUNICATION_NAMES)
+        if multiworker
+        else (_env.ENV_BACKEND, BACKEND_NAMES)
+    )
+    others = [name for name in names if name not in (backend, "nccl")]  # the safe ones
+    tips.append(
+        f"another backend: {variable}={others[0]}"
+        + (f" (or {', '.join(others[1:])})" if others[1:] else "")
+    )
+    tips.append(
+        f"if one call is simply long (a long first compile, Keras steps_per_execution=N): "
+        f"raise {_env.ENV_STALL_TIMEOUT}"
+    )
+    return tips
+
+
+def message(
+    seconds: float,
+    kind: str,
+    thread: str,
+    stack: str,
+    report: Optional[Report],
+    nccl: Mapping[str, str],
+    settings: _env.StallSettings,
+) -> str:
+    """The ERROR for a stall: how long, where, which backend and devices, what to try."""
+    lines = [
+        f"training has made no progress for {seconds:.0f} s: thread {thread!r} has been in "
+        f"one TensorFlow call for that long ({_env.ENV_STALL_TIMEOUT}={settings.timeout:g}), "
+        f"{WHERE[kind]}.",
+        "where (most recent call last):",
+        stack,
+    ]
+    backend, multiworker = "unknown", False
+    if report is not None:
+        backend, multiworker = report.backend, report.task is not None
+        task = f"; this is {report.task} of {report.workers} workers" if report.task else ""
+        lines.append(f"backend {backend} ({report.mode}) on {', '.join(report.devices)}{task}")
+    settings_text = " ".join(f"{n}={v}" for n, v in sorted(nccl.items())) or "none set"
+    lines.append(f"NCCL variables: {settings_text}")
+    lines.append("what to try:")
+    lines.extend(f"  - {tip}" for tip in _remedies(backend, multiworker, nccl))
+    if report is not None:
+        lines.append(
+            f"The stall is recorded: the next automatic choice on these devices skips "
+            f"{backend} (`{_stalls.refresh_command(report.devices)}` re-allows it)."
+        )
+    if settings.action == "exit":
+        lines.append(
+            f"{_env.ENV_STALL_ACTION}=exit: ending the process with exit code {EXIT_CODE}."
+        )
+    else:
+        lines.append("Still waiting: if the call finishes after all, the record is withdrawn.")
+    return "\n".join(lines)
+
+
+def interval(timeout: float) -> float:
+    """Seconds between samples: a fifth of the timeout, at most 5."""
+    return min(5.0, timeout / 5)
+
+
+_lock = threading.Lock()
+_thread: Optional[threading.Thread] = None
+_settings: Optional[_env.StallSettings] = None
+_report: Optional[Report] = None
+
+
+def watch(settings: _env.StallSettings, report: Optional[Report]) -> None:
+    """Watch this process (the factories call this): the thread starts once; the latest
+    settings and report apply."""
+    global _thread, _settings, _report
+    with _lock:
+        _settings, _report = settings, report
+        if settings.timeout is None or (_thread is not None and _thread.is_alive()):
+            return
+        _thread = threading.Thread(target=_run, name="safestrategy-watchdog", daemon=True)
+        _thread.start()
+
+
+def _sample(me: int) -> Tuple[Dict[int, Tuple[Any, str]], Dict[int, Any]]:
+    frames = sys._current_frames()
+    frames.pop(me, None)
+    seen = {}
+    for thread, frame in frames.items():
+        call = outermost_call(frame)
+        if call is not None:
+            seen[thread] = call
+    return seen, frames
+
+
+def _run() -> None:
+    me = threading.get_ident()
+    state: Dict[int, Watched] = {}
+    while True:
+        settings = _settings
+        if settings is None or settings.timeout is None:
+            return  # turned off; watch() starts a new thread when it is turned on
+        time.sleep(interval(settings.timeout))
+        seen, frames = _sample(me)
+        state, events = advance(state, seen, time.monotonic(), settings.timeout)
+        for event in events:
+            try:
+                _handle(event, frames.get(event.thread), settings)
+            except Exception:  # the watchdog must never be what breaks a training
+                logger.debug("stall watchdog: handling %s failed", event, exc_info=True)
+        del seen, frames
+
+
+def _thread_name(ident: int) -> str:
+    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+
+
+def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
+    report = _report
+    tf = sys.modules.get("tensorflow") or _tf.import_tf()
+    if event.what == FINISHED:
+        logger.info(
+            "the TensorFlow call on thread %r that stalled finished after all, after about "
+            "%.0f s: a slow call, not a hang%s",
+            _thread_name(event.thread),
+            event.seconds,
+            "; the stall record is withdrawn" if report is not None else "",
+        )
+        if report is not None:
+            _stalls.withdraw(tf, report)
+        return
+    nccl = {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
+    stack = stack_text(frame, event.watched.call) if frame is not None else "  (gone)"
+    logger.error(
+        message(
+            event.seconds,
+            event.watched.kind,
+            _thread_name(event.thread),
+            stack,
+            report,
+            nccl,
+            settings,
+        )
+    )
+    if report is not None:
+        _stalls.record(tf, report, event.seconds)
+    if settings.action == "exit":
+        _exit()
+
+
+def _flush_logs() -> None:
+    chain: Optional[logging.Logger] = logger
+    while chain is not None:
+        for handler in chain.handlers:
+            with contextlib.suppress(Exception):  # a broken handler must not keep us alive
+                handler.flush()
+        chain = chain.parent if chain.propagate else None
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def _exit() -> None:
+    """End the process now: the stuck thread never returns, so no normal exit can."""
+    _flush_logs()
+    _probe.close_all()
+    os._exit(EXIT_CODE)

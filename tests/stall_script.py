@@ -1,0 +1,119 @@
+"""Trainings for the stall watchdog's tests, each run in its own process (tests/test_watchdog.py).
+
+    python tests/stall_script.py SCENARIO
+
+Every scenario trains a small Keras model with ``make_mirrored_strategy`` on two
+logical CPUs; a layer calls ``tf.py_function`` that sleeps as the scenario says.
+``SAFESTRATEGY_STALL_TIMEOUT`` (T below) comes from the environment.
+
+- ``block``: the 5th step blocks for an hour (a hung all-reduce, as far as anyone
+  can tell); a probe process is left open (the fake one) to show ``exit`` ends it too.
+  The step is compiled before the watchdog is on, so only the 5th step can stall.
+- ``slow``: the 5th step takes 2 T, then training goes on.
+- ``never``: a first step that compiles, fast steps, steps of 0.8 T, 3 T idle after ``fit``, then a
+  notebook-like loop that pauses 1.5 T between cells: none of it is a stall.
+- ``report``: build the strategy only and print its report as JSON.
+
+Lines starting with ``MARK`` carry ``time.time()`` so the test can time the ERROR.
+"""
+
+import logging
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import tensorflow as tf
+
+import safestrategy
+from safestrategy import _probe, _stalls, _tf
+
+SCENARIO = sys.argv[1]
+T = float(os.environ.get("SAFESTRATEGY_STALL_TIMEOUT", "600"))
+logging.basicConfig(
+    stream=sys.stderr, level=logging.INFO, format="%(created)f %(levelname)s %(message)s"
+)
+_tf.configure_logical_cpus(tf, 2)
+DEVICES = ["/cpu:0", "/cpu:1"]
+sleep_for = {"seconds": 0.0}
+lock = threading.Lock()
+
+
+def mark(text):
+    print(f"MARK {time.time():f} {text}", file=sys.stderr, flush=True)
+
+
+def pause(x):
+    with lock:  # one replica sleeps per step; the step waits for it
+        seconds, sleep_for["seconds"] = sleep_for["seconds"], 0.0
+    if seconds:
+        time.sleep(seconds)  # the stuck line
+    return x
+
+
+class Sleepy(tf.keras.layers.Layer):
+    def call(self, x):
+        y = tf.py_function(pause, [x], tf.float32)
+        y.set_shape(x.shape)
+        return y
+
+
+class Steps(tf.keras.callbacks.Callback):
+    """Sets each step's sleep: ``plan[batch]`` seconds (default 0)."""
+
+    def __init__(self, plan):
+        super().__init__()
+        self.plan = plan
+
+    def on_train_batch_begin(self, batch, logs=None):
+        sleep_for["seconds"] = self.plan.get(batch, 0.0)
+        mark(f"step {batch + 1} starts")
+
+    def on_train_batch_end(self, batch, logs=None):
+        sleep_for["seconds"] = 0.0
+        mark(f"step {batch + 1} ends")
+
+
+if SCENARIO == "block":  # unwatched until compiled: a loaded machine may compile for > T
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = "off"
+strategy = safestrategy.make_mirrored_strategy(DEVICES)
+if SCENARIO == "report":
+    print(safestrategy.last_report().to_json(indent=None), flush=True)
+    sys.exit(0)
+with strategy.scope():
+    model = tf.keras.Sequential([tf.keras.Input((4,)), Sleepy(), tf.keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+x = np.ones((64, 4), np.float32)
+y = np.ones((64, 1), np.float32)
+
+if SCENARIO == "block":
+    _probe.WORKER_COMMAND = [
+        sys.executable,
+        os.path.join(os.path.dirname(__file__), "fake_worker.py"),
+    ]
+    os.environ["FAKE_WORKER"] = "hang"
+    _probe.start({"job": "mirrored", "devices": DEVICES}, 60)  # left open on purpose
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # compiles the step
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = f"{T:g}"
+    safestrategy.make_mirrored_strategy(DEVICES)  # the same decision; now watched
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 3600.0})])
+elif SCENARIO == "slow":
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 2 * T})])
+    time.sleep(T / 2)  # a sample or two after the step, for the INFO
+    left = _stalls.recorded(tf, safestrategy.last_report().devices)
+    print(f"RECORDS {len(left)}", flush=True)
+elif SCENARIO == "never":
+    plan = {3: 0.8 * T, 4: 0.8 * T, 5: 0.8 * T}
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps(plan)])
+    mark("idle")
+    time.sleep(3 * T)
+    for _ in range(2):  # notebook cells, a pause between them
+        model.train_on_batch(x[:8], y[:8])
+        model.predict(x[:8], verbose=0)
+        time.sleep(1.5 * T)
+    print("DONE", flush=True)
+else:
+    raise SystemExit(f"unknown scenario {SCENARIO!r}")

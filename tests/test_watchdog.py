@@ -1,0 +1,373 @@
+"""The stall watchdog: the pure parts from hand-built inputs, then real Keras trainings
+(tests/stall_script.py) that stall, crawl or idle, each in its own process."""
+
+import json
+import logging
+import os
+import re
+import time
+import types
+
+import pytest
+
+import safestrategy
+from safestrategy import _env, _stalls, _watchdog, factory
+from safestrategy._devices import parse_devices
+from safestrategy._watchdog import INPUT, OP, SESSION, STEP, advance, classify, outermost_call
+from safestrategy.report import Report
+
+from .conftest import ROOT, needs_tf, run_python
+
+SITE = "/venv/lib/python3.11/site-packages"
+TF221 = f"{SITE}/tensorflow/python"
+TF115 = "/venv/lib/python3.7/site-packages/tensorflow_core/python"
+
+
+def code(filename, name):
+    return types.SimpleNamespace(co_filename=filename, co_name=name)
+
+
+def frames(*codes):
+    """A fake stack, outermost first; returns the innermost frame."""
+    frame = None
+    for number, (filename, name) in enumerate(codes):
+        frame = types.SimpleNamespace(f_code=code(filename, name), f_back=frame, f_lineno=number)
+    return frame
+
+
+# --- which frames are TensorFlow executing something -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "filename, name, kind",
+    [
+        (f"{TF221}/eager/polymorphic_function/polymorphic_function.py", "__call__", STEP),
+        (f"{TF115}/eager/def_function.py", "__call__", STEP),
+        (f"{TF115}/eager/function.py", "__call__", STEP),
+        (f"{TF221}/eager/execute.py", "quick_execute", OP),
+        (f"{TF221}/ops/gen_collective_ops.py", "collective_reduce_v2", OP),
+        (f"{TF115}/client/session.py", "run", SESSION),
+        (f"{TF115}/client/session.py", "__call__", SESSION),
+        (f"{TF221}/data/ops/iterator_ops.py", "__next__", INPUT),
+        (f"{TF221}/data/ops/multi_device_iterator_ops.py", "get_next", INPUT),
+        (f"{TF221}/eager/polymorphic_function/polymorphic_function.py", "_call", None),
+        (f"{TF221}/data/ops/dataset_ops.py", "map", None),
+        ("/home/me/train.py", "__call__", None),
+        ("/home/me/eager/execute.py", "quick_execute", None),
+    ],
+)
+def test_the_table_says_which_frames_execute(filename, name, kind):
+    assert classify(code(filename, name)) == kind
+
+
+def test_the_outermost_call_is_the_one_timed():
+    stack = frames(
+        ("/home/me/train.py", "<module>"),
+        (f"{SITE}/keras/src/trainer.py", "fit"),
+        (f"{TF221}/eager/polymorphic_function/polymorphic_function.py", "__call__"),
+        (f"{TF221}/eager/execute.py", "quick_execute"),
+    )
+    frame, kind = outermost_call(stack)
+    assert (frame.f_code.co_name, kind) == ("__call__", STEP)
+    assert outermost_call(frames(("/home/me/train.py", "<module>"))) is None
+
+
+def test_the_stack_is_trimmed_to_the_users_frames_and_the_entry():
+    stack = frames(
+        ("/home/me/train.py", "<module>"),
+        (f"{SITE}/keras/src/trainer.py", "fit"),
+        (f"{TF221}/eager/polymorphic_function/polymorphic_function.py", "__call__"),
+        (f"{TF221}/eager/execute.py", "quick_execute"),
+    )
+    text = _watchdog.stack_text(stack, outermost_call(stack)[0])
+    assert "train.py" in text and "polymorphic_function.py" in text
+    assert "trainer.py" not in text and "execute.py" not in text
+
+
+# --- when a call is a stall -------------------------------------------------------------
+
+
+def run_samples(samples, timeout=10.0, every=2.0):
+    """Feed ``advance`` one sample per ``every`` seconds; the events, as (time, what)."""
+    state, seen_events = {}, []
+    for number, seen in enumerate(samples):
+        state, events = advance(state, seen, number * every, timeout)
+        seen_events.extend((number * every, event.what) for event in events)
+    return seen_events
+
+
+def test_one_call_past_the_timeout_fires_once_then_finishes():
+    call = object()
+    samples = [{1: (call, STEP)}] * 8 + [{}]
+    assert run_samples(samples) == [(10.0, "stalled"), (16.0, "finished")]
+
+
+def test_calls_shorter_than_the_timeout_never_fire_however_many():
+    calls = [object() for _ in range(5)]
+    samples = [{1: (calls[n // 4], STEP)} for n in range(20)]  # a new call every 8 s
+    assert run_samples(samples) == []
+
+
+def test_an_idle_process_never_fires():
+    assert run_samples([{}] * 100) == []
+
+
+def test_threads_are_timed_apart():
+    slow = object()
+    samples = [{1: (slow, OP), 2: (object(), STEP)} for _ in range(7)]
+    events = run_samples(samples)
+    assert events == [(10.0, "stalled")]
+
+
+# --- settings and the message ----------------------------------------------------------
+
+
+def test_stall_settings_default_off_and_exit():
+    assert _env.resolve_stall({}) == (600.0, "warn")
+    assert _env.resolve_stall({"SAFESTRATEGY_STALL_TIMEOUT": " OFF "}).timeout is None
+    settings = _env.resolve_stall(
+        {"SAFESTRATEGY_STALL_TIMEOUT": "2.5", "SAFESTRATEGY_STALL_ACTION": "Exit"}
+    )
+    assert settings == (2.5, "exit")
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("SAFESTRATEGY_STALL_TIMEOUT", "ten"),
+        ("SAFESTRATEGY_STALL_TIMEOUT", "-1"),
+        ("SAFESTRATEGY_STALL_ACTION", "kill"),
+    ],
+)
+def test_bad_stall_settings_are_value_errors_before_any_device(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError) as error:
+        safestrategy.make_mirrored_strategy(["/cpu:0", "/cpu:99"])  # no device error first
+    assert repr(value) in str(error.value) and variable in str(error.value)
+    assert ("off" if "TIMEOUT" in variable else "warn, exit") in str(error.value)
+
+
+def report(**fields):
+    base = dict(
+        backend="nccl",
+        source="default",
+        mode="auto",
+        devices=("/device:GPU:0", "/device:GPU:1"),
+        platform="Linux",
+        tf_version="2.21.0",
+        tf_api="tf2",
+        candidates=(),
+    )
+    return Report(**{**base, **fields})
+
+
+def test_the_message_says_where_what_and_what_to_try():
+    text = _watchdog.message(
+        612.0,
+        INPUT,
+        "MainThread",
+        '  File "train.py", line 3, in <module>',
+        report(task="worker:1", workers=2),
+        {"NCCL_SHM_DISABLE": "1"},
+        _env.StallSettings(600.0, "exit"),
+    )
+    for words in (
+        "612 s",
+        "waiting for input data",
+        'File "train.py", line 3',
+        "backend nccl (auto) on /device:GPU:0, /device:GPU:1; this is worker:1 of 2 workers",
+        "NCCL variables: NCCL_SHM_DISABLE=1",
+        "NCCL_P2P_DISABLE=1",
+        "NCCL_DEBUG=INFO",
+        "SAFESTRATEGY_COMMUNICATION=ring",
+        "raise SAFESTRATEGY_STALL_TIMEOUT",
+        "--devices /device:GPU:0 /device:GPU:1 --refresh",
+        "exit code 75",
+    ):
+        assert words in text
+    assert "NCCL_SHM_DISABLE=1, then" not in text  # the user's own is not suggested
+
+
+# --- the next decision, from a stall record -------------------------------------------------
+
+CPUS = ["/cpu:0", "/cpu:1"]
+
+
+def recorded_stall(tf, backend, remedy=None, devices=CPUS):
+    """A stall record as the watchdog writes it, for ``backend`` on ``devices``."""
+    names = tuple(str(d) for d in parse_devices(devices))
+    candidates = (safestrategy.CandidateResult(backend, "ok", remedy=remedy or {}),)
+    _stalls.record(tf, report(backend=backend, devices=names, candidates=candidates), 601.0)
+    factory._decisions.clear()
+
+
+@needs_tf
+def test_auto_takes_the_next_backend_and_says_why(tf2, caplog):
+    recorded_stall(tf2, "hierarchical_copy")
+    with caplog.at_level(logging.WARNING, logger="safestrategy"):
+        safestrategy.make_mirrored_strategy(CPUS)
+    result = safestrategy.last_report()
+    stalled = next(c for c in result.candidates if c.name == "hierarchical_copy")
+    assert result.backend != "hierarchical_copy"
+    assert re.match(r"stalled during training on \d{4}-\d\d-\d\d after 601 s", stalled.reason)
+    assert [s.backend for s in result.stalls] == ["hierarchical_copy"]
+    assert "--devices /device:CPU:0 /device:CPU:1 --refresh" in caplog.text
+
+
+@needs_tf
+def test_a_forced_backend_is_used_with_a_warning(tf, caplog):
+    recorded_stall(tf, "reduce_to_cpu")
+    with caplog.at_level(logging.WARNING, logger="safestrategy"):
+        chosen = safestrategy.probe(CPUS, backend="reduce_to_cpu")
+        factory._decisions.clear()
+        if tf.__version__.startswith("2."):
+            safestrategy.make_mirrored_strategy(CPUS, backend="reduce_to_cpu")
+            assert "stalled during training" in caplog.text and "forced" in caplog.text
+    assert chosen.backend == "reduce_to_cpu"
+
+
+@needs_tf
+def test_refresh_forgets_the_stalls(tf):
+    recorded_stall(tf, "hierarchical_copy")
+    assert safestrategy.probe(CPUS).stalls
+    factory._decisions.clear()
+    assert factory.decide(CPUS, refresh=True)[0].stalls == ()
+    factory._decisions.clear()
+    assert safestrategy.probe(CPUS).stalls == ()
+
+
+@needs_tf
+def test_the_cache_switch_covers_stall_records(tf, monkeypatch):
+    recorded_stall(tf, "hierarchical_copy")
+    monkeypatch.setenv("SAFESTRATEGY_CACHE", "off")
+    assert safestrategy.probe(CPUS).stalls == ()
+
+
+def test_nccl_that_stalled_gets_the_remedy_not_tried_yet(fake, tf):
+    fake("ok")
+    recorded_stall(tf, "nccl", devices=["/gpu:0", "/gpu:1"])
+    result = safestrategy.probe(["/gpu:0", "/gpu:1"], backend="nccl,reduce_to_gpu")
+    nccl = result.candidates[0]
+    assert (result.backend, nccl.remedy) == ("nccl", {"NCCL_P2P_DISABLE": "1"})
+    assert "after it failed without: stalled during training" in nccl.reason
+    assert fake.starts()[-1] == "start NCCL_P2P_DISABLE=1"
+
+
+# --- real trainings, each in its own process (TF2: Keras fit on two logical CPUs) ----------
+
+SCRIPT = "tests/stall_script.py"
+T = 3.0
+
+
+def train(scenario, tmp_path, timeout=240, **env):
+    settings = {
+        "SAFESTRATEGY_STALL_TIMEOUT": f"{T:g}",
+        "SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        **env,
+    }
+    return run_python(SCRIPT, scenario, env=settings, timeout=timeout)
+
+
+def logged(stderr, level):
+    """(time, first line) of each record at ``level``, from the script's log format."""
+    found = re.findall(rf"^(\d+\.\d+) {level} (.*)$", stderr, re.MULTILINE)
+    return [(float(when), text) for when, text in found]
+
+
+def gone(pid, within=10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@needs_tf
+def test_a_blocked_step_is_reported_ends_the_process_and_is_remembered(tf2, tmp_path, run_cli):
+    pidfile = tmp_path / "probe.pid"
+    run = train(
+        "block", tmp_path, SAFESTRATEGY_STALL_ACTION="exit", FAKE_WORKER_PIDFILE=str(pidfile)
+    )
+    assert run.returncode == 75, run.stderr[-3000:]
+    started = float(re.search(r"^MARK (\S+) step 5 starts", run.stderr, re.MULTILINE).group(1))
+    ((when, first),) = logged(run.stderr, "ERROR")
+    assert when - started <= T + 4  # the timeout, a sample interval, a loaded machine
+    assert "in the training step (input reading included)" in first
+    assert re.search(r'stall_script.py", line \d+, in <module>\n +model.fit\(', run.stderr)
+    assert "backend hierarchical_copy (auto) on /device:CPU:0, /device:CPU:1" in run.stderr
+    assert gone(int(pidfile.read_text()))  # the probe process left open went with it
+
+    cache = {"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache")}
+    again = train("report", tmp_path)
+    second = json.loads(again.stdout.strip().splitlines()[-1])
+    stalled = next(c for c in second["candidates"] if c["name"] == "hierarchical_copy")
+    assert second["backend"] != "hierarchical_copy"
+    assert stalled["reason"].startswith("stalled during training on ")
+    assert "hierarchical_copy failed" in again.stderr and "--refresh" in again.stderr
+    assert [s["backend"] for s in second["stalls"]] == ["hierarchical_copy"]
+
+    listing = run_cli("--devices", "/cpu:0", "/cpu:1", env=cache)
+    assert "stalled during training on" in listing.stdout
+    run_cli("--devices", "/cpu:0", "/cpu:1", "--refresh", "--json", env=cache)
+    after = json.loads(run_cli("--devices", "/cpu:0", "/cpu:1", "--json", env=cache).stdout)
+    assert (after["backend"], after["stalls"]) == ("hierarchical_copy", [])
+
+
+@needs_tf
+def test_a_slow_step_is_an_error_then_info_and_no_record(tf2, tmp_path):
+    run = train("slow", tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    started = float(re.search(r"^MARK (\S+) step 5 starts", run.stderr, re.MULTILINE).group(1))
+    errors = [when for when, _ in logged(run.stderr, "ERROR")]
+    finished = [when for when, text in logged(run.stderr, "INFO") if "finished after all" in text]
+    # (a loaded machine may compile the first step for longer than T: a stall that ends too)
+    assert len([when for when in errors if when > started]) == 1
+    assert len(finished) == len(errors) and all(e < f for e, f in zip(errors, finished))
+    assert "RECORDS 0" in run.stdout
+
+
+@needs_tf
+def test_long_steps_a_long_first_step_idle_and_pauses_never_fire(tf2, tmp_path):
+    run = train("never", tmp_path, SAFESTRATEGY_STALL_TIMEOUT="6")  # the first compile < 6 s
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "DONE" in run.stdout
+    assert logged(run.stderr, "ERROR") == []
+    found = re.findall(r"^MARK (\S+) (step \d+ \w+)$", run.stderr, re.MULTILINE)
+    marks = {label: float(when) for when, label in found}
+    took = {n: marks[f"step {n} ends"] - marks[f"step {n} starts"] for n in (1, 2, 4)}
+    assert took[1] > took[2] and took[4] >= 0.8 * 6  # compiling, a normal step, a long one
+    assert not list((tmp_path / "cache").glob("stall-*.json"))
+
+
+# --- TF 1.x: session.run is watched ------------------------------------------------------
+
+TF1_SCRIPT = """
+import logging, sys, time
+import tensorflow as tf
+import safestrategy
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+with tf.Graph().as_default():
+    strategy = safestrategy.make_mirrored_strategy(["/cpu:0", "/cpu:1"])
+    stuck = tf.py_func(lambda: time.sleep(3600) or 1.0, [], tf.float64)
+    with tf.Session(config=tf.ConfigProto(device_count={"CPU": 2})) as session:
+        session.run(stuck)
+"""
+
+
+@needs_tf
+def test_tf1_session_run_is_watched(tf1, tmp_path):
+    env = {
+        "SAFESTRATEGY_STALL_TIMEOUT": "2",
+        "SAFESTRATEGY_STALL_ACTION": "exit",
+        "SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    script = tmp_path / "tf1_stall.py"
+    script.write_text(TF1_SCRIPT)
+    run = run_python(str(script), env={**env, "PYTHONPATH": str(ROOT)}, timeout=240)
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert "in session.run (the training step in TF1 graph mode)" in run.stderr
+    assert "session.run(stuck)" in run.stderr
