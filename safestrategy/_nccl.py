@@ -45,10 +45,6 @@ _GPU_MEMORY_TAKEN = (
 )
 _OUT_OF_MEMORY = ("out of memory", "outofmemory", "resourceexhausted", "oom when allocating")
 
-#: Remedies this process set in os.environ, so that its cache keys stay those of the
-#: environment the user gave (the next run finds the verdict that found the remedy).
-_applied: Dict[str, str] = {}
-
 
 class Options(NamedTuple):
     """How a verdict may be reached: the timeout per attempt and the cache and remedy switches."""
@@ -85,11 +81,8 @@ def _nvidia_driver() -> Optional[str]:
 
 
 def _user_nccl_environment() -> Dict[str, str]:
-    return {
-        name: value
-        for name, value in sorted(os.environ.items())
-        if name.startswith("NCCL_") and _applied.get(name) != value
-    }
+    user = _env.user_environ()
+    return {name: user[name] for name in sorted(user) if name.startswith("NCCL_")}
 
 
 def cache_key(tf: Any, devices: Sequence[Device], opts: Options) -> Dict[str, Any]:
@@ -176,8 +169,9 @@ def _run(devices: Sequence[Device], opts: Options) -> _Attempt:
         return first
     later: List[Tuple[Dict[str, str], CandidateResult]] = []
     cacheable = True
+    user = _env.user_environ()  # a remedy we set for another device set is not the user's
     for name, value in REMEDIES:
-        if name in os.environ:
+        if name in user:
             continue  # the user's own setting is never overridden, nor its remedy tried
         attempt = _attempt(devices, opts.timeout, {name: value})
         later.append(({name: value}, attempt.result))
@@ -210,9 +204,8 @@ def apply_remedy(remedy: Mapping[str, str], devices: Sequence[Any]) -> None:
     """Set a remedy's variables in ``os.environ`` (never over the user's), loudly once."""
     for name, value in remedy.items():
         if name in os.environ:
-            continue
-        os.environ[name] = value
-        _applied[name] = value
+            continue  # the user's, or set already for another device set
+        _env.set_variable(name, value)
         logger.warning(
             "NCCL hangs or fails on %s unless %s=%s; safestrategy set it for this process "
             "(NCCL reads it when its first all-reduce starts). Set it yourself to make it "

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
+from . import _env
 from ._allreduce import from_reply
 from .report import FAILED, TIMEOUT, CandidateResult
 
@@ -137,7 +138,9 @@ class ProbeProcess:
     kills and reaps it however the block ends."""
 
     def __init__(self, request: Mapping[str, Any], env: Optional[Mapping[str, str]] = None):
-        full_env = dict(os.environ)
+        # The user's environment, not ours: a remedy set for another device set would make
+        # this check pass without it, and its verdict say "no remedy needed".
+        full_env = _env.user_environ()
         full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         full_env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
         full_env.update(env or {})

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import safestrategy
-from safestrategy import _cache, factory
+from safestrategy import _cache, _env, _nccl, factory
 
 from .conftest import GPUS
 
@@ -31,6 +31,13 @@ def decide_again(**kwargs):
         return safestrategy.probe(CPUS, **{"backend": "nccl,reduce_to_cpu", **kwargs})
     except safestrategy.NoWorkingBackendError as error:
         return error.report
+
+
+def new_process(monkeypatch):
+    """What a new launch starts from: nothing remembered, no remedy set by an earlier one."""
+    monkeypatch.delenv(P2P, raising=False)
+    monkeypatch.setattr(_env, "_applied", {})
+    factory._decisions.clear()
 
 
 def cache_files(tmp_path):
@@ -204,13 +211,44 @@ def test_every_remedy_failing_says_so(fake):
 def test_a_cached_remedy_is_applied_without_a_probe_process(fake, monkeypatch, short_timeout):
     fake(f"hang-unless-{P2P}")
     safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
-    monkeypatch.delenv(P2P)  # the next launch: a new process without the variable
-    monkeypatch.setattr(safestrategy._nccl, "_applied", {})
-    factory._decisions.clear()
+    new_process(monkeypatch)
     safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
     (nccl,) = safestrategy.last_report().candidates
     assert (nccl.cached, nccl.remedy, os.environ[P2P]) == (True, {P2P: "1"}, "1")
     assert len(fake.starts()) == 2  # the first launch's two, none for the second
+
+
+def test_a_remedy_for_one_device_set_does_not_pass_another(fake, monkeypatch, short_timeout):
+    fake(f"hang-unless-{P2P}")
+    safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    assert os.environ[P2P] == "1"  # set for GPUs 0,1
+    safestrategy.make_mirrored_strategy([*GPUS, "/gpu:2"], backend="nccl")
+    (nccl,) = safestrategy.last_report().candidates
+    # GPUs 0,1,2 were checked in the user's environment, not with our remedy inherited
+    assert fake.starts() == ["start", f"start {P2P}=1", "start", f"start {P2P}=1"]
+    assert (nccl.status, nccl.remedy) == ("ok", {P2P: "1"})
+    new_process(monkeypatch)
+    safestrategy.make_mirrored_strategy([*GPUS, "/gpu:2"], backend="nccl")
+    (nccl,) = safestrategy.last_report().candidates
+    assert (nccl.cached, nccl.remedy, os.environ[P2P]) == (True, {P2P: "1"}, "1")
+    assert len(fake.starts()) == 4
+
+
+def test_a_remedy_we_set_is_not_the_users_setting(fake, short_timeout):
+    fake(f"hang-unless-{SHM}")
+    _nccl.apply_remedy({P2P: "1"}, GPUS)  # as an earlier device set's verdict would
+    (nccl,) = decide_again(backend="nccl").candidates
+    # P2P is ours, not the user's: its remedy is still tried, and in the user's environment
+    assert fake.starts() == ["start", f"start {P2P}=1", f"start {SHM}=1"]
+    assert nccl.remedy == {SHM: "1"}
+
+
+def test_a_value_the_user_changed_is_theirs(fake, monkeypatch):
+    fake("ok")
+    _nccl.apply_remedy({P2P: "1"}, GPUS)
+    monkeypatch.setenv(P2P, "0")
+    decide_again()
+    assert fake.starts() == [f"start {P2P}=0"]
 
 
 def test_nccl_ops_applies_the_remedy_on_its_own_decision(fake, tf, short_timeout):
