@@ -141,26 +141,50 @@ def _remediable(attempt: _Attempt) -> bool:
     )
 
 
+def user_remedies() -> Dict[str, str]:
+    """The remedy variables the user set, with the user's values: never overridden, and
+    their remedies never tried (one set by safestrategy for another device set is not
+    the user's)."""
+    user = _env.user_environ()
+    return {name: user[name] for name, _ in REMEDIES if name in user}
+
+
 def after_remedies(
     first: CandidateResult,
     later: Sequence[Tuple[Mapping[str, str], CandidateResult]],
     where: str = "",
+    skipped: Optional[Mapping[str, str]] = None,
 ) -> CandidateResult:
     """The verdict once remedies were tried: ``later`` holds (remedy, result) pairs in
     order. The first that passed keeps NCCL (its ``remedy`` set); else the first failure,
-    saying what was also tried. ``where`` qualifies a pass (" on every worker")."""
+    saying what was also tried, and which remedies were not because the user set their
+    variable (``skipped``: name -> the user's value; default :func:`user_remedies`).
+    ``where`` qualifies a pass (" on every worker")."""
     seconds = round(first.seconds + sum(result.seconds for _, result in later), 3)
     for env, result in later:
         if result.status == OK:
-            setting = ", ".join(f"{name}={value}" for name, value in env.items())
             failed = "timed out" if first.status == TIMEOUT else "failed"
-            reason = f"passed with {setting}{where}, after it {failed} without: "
+            reason = f"passed with {_setting(env)}{where}, after it {failed} without: "
             reason += _short(first.reason)
             return result._replace(reason=reason, seconds=seconds, remedy=dict(env))
-    if not later:
+    if first.status == OK:
         return first
-    tried = " and with ".join(f"{n}={v}" for env, _ in later for n, v in env.items())
-    return first._replace(reason=f"{first.reason} (also with {tried})", seconds=seconds)
+    notes = []
+    if later:
+        notes.append("also with " + " and with ".join(_setting(env) for env, _ in later))
+    user = user_remedies() if skipped is None else skipped
+    notes.extend(
+        f"{name}={value} not tried: you set {name}={user[name]}"
+        for name, value in REMEDIES
+        if name in user
+    )
+    if not notes:
+        return first
+    return first._replace(reason=f"{first.reason} ({'; '.join(notes)})", seconds=seconds)
+
+
+def _setting(env: Mapping[str, str]) -> str:
+    return ", ".join(f"{name}={value}" for name, value in env.items())
 
 
 def _run(devices: Sequence[Device], opts: Options) -> _Attempt:
@@ -169,16 +193,16 @@ def _run(devices: Sequence[Device], opts: Options) -> _Attempt:
         return first
     later: List[Tuple[Dict[str, str], CandidateResult]] = []
     cacheable = True
-    user = _env.user_environ()  # a remedy we set for another device set is not the user's
+    user = user_remedies()  # the user's own setting is never overridden, nor its remedy tried
     for name, value in REMEDIES:
         if name in user:
-            continue  # the user's own setting is never overridden, nor its remedy tried
+            continue
         attempt = _attempt(devices, opts.timeout, {name: value})
         later.append(({name: value}, attempt.result))
         if attempt.result.status == OK:
             cacheable = attempt.cacheable
             break
-    return _Attempt(after_remedies(first.result, later), cacheable)
+    return _Attempt(after_remedies(first.result, later, skipped=user), cacheable)
 
 
 def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResult:

@@ -14,6 +14,7 @@ import pytest
 
 import safestrategy
 from safestrategy import _cache, _env, _nccl, factory
+from safestrategy.report import CandidateResult
 
 from .conftest import GPUS
 
@@ -182,6 +183,28 @@ def test_a_variable_the_user_set_is_kept_and_its_remedy_not_tried(fake, monkeypa
     safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
     assert os.environ[P2P] == "0" and os.environ[SHM] == "1"
     assert fake.starts() == [f"start {P2P}=0", f"start {P2P}=0 {SHM}=1"]
+
+
+def test_a_failure_says_which_remedies_the_users_settings_kept_from_being_tried(fake, monkeypatch):
+    monkeypatch.setenv(P2P, "0")
+    fake("abort")
+    (nccl, _) = decide_again().candidates
+    assert nccl.reason.endswith(f"(also with {SHM}=1; {P2P}=1 not tried: you set {P2P}=0)")
+    monkeypatch.setenv(SHM, "")
+    (nccl, _) = decide_again().candidates
+    assert nccl.reason.endswith(
+        f"({P2P}=1 not tried: you set {P2P}=0; {SHM}=1 not tried: you set {SHM}=)"
+    )
+    assert len(fake.starts()) == 3
+
+
+def test_the_multiworker_verdict_names_the_users_settings_too(monkeypatch):
+    monkeypatch.setenv(P2P, "0")
+    _nccl.apply_remedy({SHM: "1"}, GPUS)  # ours, not the user's: not named
+    first = CandidateResult("nccl", "timeout", "worker:1: timeout: no answer within 1 s", 1.0)
+    tried = [({SHM: "1"}, first)]
+    reason = _nccl.after_remedies(first, tried, " on every worker").reason
+    assert reason.endswith(f"(also with {SHM}=1; {P2P}=1 not tried: you set {P2P}=0)")
 
 
 def test_remedies_can_be_switched_off(fake, monkeypatch):
