@@ -81,6 +81,44 @@ def test_the_cache_key_holds_what_can_change_the_verdict(fake, monkeypatch):
     assert len(fake.starts()) == 4
 
 
+@pytest.fixture
+def machine(monkeypatch):
+    """Sets what this machine's probes read (GPU UUIDs, host name, /dev/shm size), as on
+    another node of a cluster sharing the cache directory."""
+    from safestrategy import _machine
+
+    def be(uuids=(), host="node-a", shm=64 << 20):
+        monkeypatch.setattr(_machine, "_uuids_from_proc", lambda: list(uuids))
+        monkeypatch.setattr(_machine, "_uuids_from_nvidia_smi", lambda: [])
+        monkeypatch.setattr(_machine.socket, "gethostname", lambda: host)
+        monkeypatch.setattr(_machine, "shm_bytes", lambda: shm)
+        _machine._identity.cache_clear()  # read once per process: this is a new one
+
+    yield be
+    _machine._identity.cache_clear()
+
+
+A, B = "GPU-0c1d2e3f-aaaa-bbbb-cccc-000000000001", "GPU-0c1d2e3f-aaaa-bbbb-cccc-000000000002"
+
+
+@pytest.mark.parametrize(
+    "node_a, node_b, same",
+    [
+        ({"uuids": [A]}, {"uuids": [B]}, False),  # a shared home: another node's GPUs
+        ({"host": "node-a"}, {"host": "node-b"}, False),  # no UUIDs readable: the host name
+        ({"shm": 64 << 20}, {"shm": 8 << 30}, False),  # NCCL's SHM transport differs
+        ({"uuids": [A], "host": "c1"}, {"uuids": [A], "host": "c2"}, True),  # a new container
+    ],
+)
+def test_a_verdict_holds_on_the_machine_that_measured_it_only(fake, machine, node_a, node_b, same):
+    fake("error")
+    machine(**node_a)
+    assert decide_again().candidates[0].cached is False
+    machine(**node_b)
+    assert decide_again().candidates[0].cached is same
+    assert len(fake.starts()) == (1 if same else 2)
+
+
 def test_refresh_and_cache_off(fake, monkeypatch, tmp_path, run_cli):
     fake("ok")
     decide_again()
