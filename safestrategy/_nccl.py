@@ -20,11 +20,14 @@ are cached; one that could not start, or that ran out of GPU memory, is not.
 import logging
 import os
 import platform
+import shlex
+import shutil
+import subprocess
 import sys
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import _cache, _env, _machine, _probe, _tf
-from ._devices import Device
+from . import _cache, _env, _machine, _probe, _tf, choose
+from ._devices import Device, parse_device
 from .report import FAILED, OK, TIMEOUT, CandidateResult
 
 logger = logging.getLogger("safestrategy")
@@ -222,6 +225,38 @@ def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResul
     if directory is not None and attempt.cacheable:
         _cache.write(directory, "nccl", key, attempt.result.to_dict())
     return attempt.result
+
+
+def recheck_command(devices: Sequence[Any], timeout: float) -> str:
+    """The command that checks NCCL again on ``devices`` with ``timeout`` and rewrites the
+    cached verdict these give (``--refresh``); ``--backend nccl`` only where the command
+    line's default setting would not check NCCL first (no GPU among the devices, or
+    ``SAFESTRATEGY_BACKEND`` putting another first).
+
+    The interpreter is this one (the cache key holds it): ``python`` where that is what
+    ``PATH`` runs, else its full path.
+    """
+    parsed = [parse_device(str(device)) for device in devices]
+    python = "python" if shutil.which("python") == sys.executable else sys.executable
+    args = [python, "-m", "safestrategy", "--devices"]
+    args += [f"/{device.kind.lower()}:{device.index}" for device in parsed]
+    args += ["--timeout", str(int(timeout)) if float(timeout).is_integer() else repr(timeout)]
+    try:
+        first = choose.plan(_env.resolve_backend(None), parsed)[0]
+    except ValueError:
+        first = None
+    if first != choose.Planned(NCCL):
+        args += ["--backend", NCCL]
+    args.append("--refresh")
+    if os.name == "nt":
+        return subprocess.list2cmdline(args)
+    return " ".join(shlex.quote(arg) for arg in args)
+
+
+def cached_note(devices: Sequence[Any], timeout: float) -> str:
+    """What a message resting on a cached verdict adds: where it came from, how to re-check."""
+    command = recheck_command(devices, timeout)
+    return f"a verdict cached from an earlier run: `{command}` checks it again"
 
 
 def apply_remedy(remedy: Mapping[str, str], devices: Sequence[Any]) -> None:

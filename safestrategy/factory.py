@@ -182,22 +182,22 @@ def _decide(
         python=_platform.python_version(),
     )
     if decision.backend is None:
-        raise NoWorkingBackendError(failure_message(devices, decision.results, setting), report)
+        message = failure_message(devices, decision.results, setting)
+        if any(result.cached for result in decision.results):
+            message += f"\n{_nccl.NCCL}: {_nccl.cached_note(devices, request.nccl.timeout)}."
+        raise NoWorkingBackendError(message, report)
     with _lock:
         _decisions[key] = devices, decision, kernels
     return report, remembered is None
 
 
-def _log(report: Report, setting: Setting, fresh: bool) -> None:
-    """One WARNING per fallback when freshly decided; DEBUG when remembered."""
+def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
+    """One WARNING per fallback when freshly decided; DEBUG when remembered. A failure
+    read from the cache says so, and gives the command that re-checks it (``timeout``:
+    the NCCL check's, part of the verdict's key)."""
     level = logging.WARNING if fresh else logging.DEBUG
     for failed in (r for r in report.candidates if r.status in (FAILED, TIMEOUT)):
-        cached = (
-            " (a verdict cached from an earlier run: `python -m safestrategy --refresh` "
-            "checks again)"
-            if failed.cached
-            else ""
-        )
+        cached = f" ({_nccl.cached_note(report.devices, timeout)})" if failed.cached else ""
         logger.log(
             level,
             "all-reduce backend %s %s on %s (%s)%s; using %s instead. To choose yourself, %s.",
@@ -273,7 +273,7 @@ def make_mirrored_strategy(
         report = _own_ops_report(tf.__version__, strategy, own_ops)
     else:
         report, fresh = _decide(request, None)
-        _log(report, request.setting, fresh)
+        _log(report, request.setting, fresh, request.nccl.timeout)
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         if chosen is not None and chosen.remedy:
             _nccl.apply_remedy(chosen.remedy, report.devices)

@@ -8,6 +8,9 @@ fresh one, and a remedy tried from one skipped.
 import json
 import logging
 import os
+import re
+import shlex
+import sys
 import time
 
 import pytest
@@ -174,7 +177,18 @@ def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
 
 
+def quoted_command(message):
+    """The command a message quotes between backticks, as the argv ``cli.main`` takes."""
+    (command,) = re.findall(r"`([^`]*--refresh)`", message)
+    argv = shlex.split(command)
+    assert argv[1:3] == ["-m", "safestrategy"]
+    assert argv[0] == "python" or argv[0] == sys.executable  # the cache key's interpreter
+    return command.split(" -m safestrategy ")[1], argv[3:]
+
+
 def test_a_fallback_resting_on_a_cached_verdict_says_how_to_check_again(fake, caplog):
+    from safestrategy import cli
+
     fake("error")
     decide_again()
     factory._decisions.clear()
@@ -182,7 +196,60 @@ def test_a_fallback_resting_on_a_cached_verdict_says_how_to_check_again(fake, ca
         safestrategy.make_mirrored_strategy(CPUS, backend="nccl,reduce_to_cpu")
     (warning,) = [r for r in caplog.records if r.name == "safestrategy"]
     assert "cached from an earlier run" in warning.getMessage()
-    assert "--refresh" in warning.getMessage()
+    # auto skips NCCL on CPUs: the command names it so that it is checked
+    args, argv = quoted_command(warning.getMessage())
+    assert args == "--devices /cpu:0 /cpu:1 --timeout 60 --backend nccl --refresh"
+    fake("ok")
+    assert cli.main(argv) == 0
+    (nccl, _) = decide_again().candidates
+    assert (nccl.status, nccl.cached) == ("ok", True)  # the entry the training reads, rewritten
+    assert len(fake.starts()) == 2
+
+
+def test_a_forced_nccl_failing_on_a_cached_verdict_says_so_and_its_command_rechecks_it(
+    fake, monkeypatch
+):
+    from safestrategy import cli
+
+    monkeypatch.setenv("SAFESTRATEGY_PROBE_TIMEOUT", "7.5")  # not the default: in the key
+    fake("error")
+    with pytest.raises(safestrategy.NoWorkingBackendError):
+        safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    factory._decisions.clear()
+    with pytest.raises(safestrategy.NoWorkingBackendError) as raised:
+        safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    assert "nccl: a verdict cached from an earlier run" in str(raised.value)
+    args, argv = quoted_command(str(raised.value))
+    assert args == "--devices /gpu:0 /gpu:1 --timeout 7.5 --refresh"
+    monkeypatch.delenv("SAFESTRATEGY_PROBE_TIMEOUT")  # a shell without the training's setting
+    fake("ok")
+    assert cli.main(argv) == 0
+    monkeypatch.setenv("SAFESTRATEGY_PROBE_TIMEOUT", "7.5")
+    factory._decisions.clear()
+    safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    (nccl,) = safestrategy.last_report().candidates
+    assert (nccl.status, nccl.cached) == ("ok", True)
+    assert len(fake.starts()) == 2
+
+
+def test_nccl_ops_says_a_forced_nccl_failed_on_a_cached_verdict(fake, tf, monkeypatch, caplog):
+    from safestrategy import nccl_ops
+
+    from .test_nccl_ops import inputs, placed
+
+    monkeypatch.setattr(nccl_ops, "_decisions", {})
+    fake("error")
+    with caplog.at_level(logging.WARNING, logger="safestrategy"), tf.Graph().as_default():
+        nccl_ops.all_sum(placed(tf, inputs(2), GPUS))  # auto: falls back, fresh
+        monkeypatch.setenv("SAFESTRATEGY_BACKEND", "nccl")
+        with pytest.raises(safestrategy.NoWorkingBackendError) as raised:
+            nccl_ops.all_sum(placed(tf, inputs(2), GPUS))
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "safestrategy"]
+    assert "cached" not in warning
+    assert quoted_command(warning)[0] == "--devices /gpu:0 /gpu:1 --timeout 60 --refresh"
+    assert "a verdict cached from an earlier run" in str(raised.value)
+    assert quoted_command(str(raised.value))[0] == "--devices /gpu:0 /gpu:1 --timeout 60 --refresh"
+    assert len(fake.starts()) == 1
 
 
 # --- remedies -----------------------------------------------------------------------------
