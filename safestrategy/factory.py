@@ -127,20 +127,25 @@ def decide(
     cache: Optional[bool] = None,
     refresh: bool = False,
     on_result: Optional[Callable[[CandidateResult], None]] = None,
+    on_start: Optional[Callable[[], None]] = None,
 ) -> Tuple[Report, bool]:
     """The report for a request, and whether it was decided afresh (False: remembered).
 
     The engine behind :func:`probe`, :func:`make_mirrored_strategy` and the CLI
     (internal: not part of the public API). ``cache=False`` neither reads nor
     writes cached NCCL verdicts, ``refresh=True`` ignores them (and what this
-    process remembers); ``on_result`` sees each candidate's result as it comes.
+    process remembers); ``on_start`` is called once every input is valid and the
+    checks are about to run, ``on_result`` with each candidate's result as it comes.
     Raises ``ValueError`` for bad input, ``NoWorkingBackendError`` when nothing works.
     """
-    return _decide(_request(devices, backend, timeout, cache, refresh), on_result)
+    request = _request(devices, backend, timeout, cache, refresh)
+    return _decide(request, on_result, on_start)
 
 
 def _decide(
-    request: _Request, on_result: Optional[Callable[[CandidateResult], None]]
+    request: _Request,
+    on_result: Optional[Callable[[CandidateResult], None]],
+    on_start: Optional[Callable[[], None]] = None,
 ) -> Tuple[Report, bool]:
     if _tf.tf_version() is None:
         raise ImportError(_tf.INSTALL_HINT)
@@ -160,6 +165,8 @@ def _decide(
                 on_result(result)
             return result
 
+        if on_start is not None:
+            on_start()
         try:
             decision = choose.decide(setting, devices, check)
         finally:
