@@ -116,7 +116,7 @@ def _attempt(devices: Sequence[Device], timeout: float, env: Mapping[str, str]) 
     try:
         process, _ = _probe.start(request, timeout, env)
     except _probe.ProbeDied as error:
-        reason = f"the probe process {error}"
+        reason = str(error)
         return _Attempt(CandidateResult(NCCL, FAILED, reason, 0.0), False)
     with process:
         result = _probe.check(process, NCCL, len(devices), timeout)

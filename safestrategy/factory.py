@@ -96,7 +96,7 @@ class _Checks:
                     {"job": "mirrored", "devices": self.names}, self.opts.timeout
                 )
             except _probe.ProbeDied as error:
-                self.start_failure = f"the probe process {error}"
+                self.start_failure = str(error)
         if self.process is None:
             return CandidateResult(name, FAILED, self.start_failure)
         result = _probe.check(self.process, name, len(self.devices), self.opts.timeout)
