@@ -173,8 +173,9 @@ class ProbeProcess:
             raise ProbeDied(f"{_COULD_NOT_START}{type(error).__name__}: {error}") from None
         self.replies: queue.Queue = queue.Queue()
         self.stderr: Deque[str] = collections.deque(maxlen=40)
-        for target in (self._read_stdout, self._read_stderr):
-            threading.Thread(target=target, daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_reader.start()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
 
     def __enter__(self) -> "ProbeProcess":
         return self
@@ -212,6 +213,7 @@ class ProbeProcess:
             except subprocess.TimeoutExpired:  # stdout closed, process still there
                 self.close()
                 returncode = self.process.returncode
+            self._stderr_reader.join(5)  # its last words may still be in the pipe (busy machine)
             last = useful_last_line(self.stderr)
             detail = f"; last output: {last}" if last else ""
             raise ProbeDied(f"{_SUBJECT}died: {_exit_text(returncode)}{detail}")
