@@ -8,7 +8,7 @@ is valid, before anything touches a device.
 
 import math
 import os
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .backends import BACKEND_NAMES
 
@@ -33,9 +33,28 @@ AUTO = "auto"
 DEFAULT_STALL_TIMEOUT = 600.0
 #: What the watchdog does about a stall: log and keep waiting, or log and end the process.
 STALL_ACTIONS: Tuple[str, ...] = ("warn", "exit")
+#: Variables safestrategy itself set in ``os.environ`` (NCCL remedies), with the value it set:
+#: the user's environment is ``os.environ`` without them (see :func:`user_environ`).
+_applied: Dict[str, str] = {}
 
 #: ``MultiWorkerMirroredStrategy`` communications, in ``auto`` order.
 COMMUNICATION_NAMES: Tuple[str, ...] = ("nccl", "ring")
+
+
+def set_variable(name: str, value: str) -> None:
+    """Set ``name`` in ``os.environ`` for this process, remembering that safestrategy did."""
+    os.environ[name] = value
+    _applied[name] = value
+
+
+def user_environ() -> Dict[str, str]:
+    """``os.environ`` as the user gave it: without the variables safestrategy set itself,
+    unless the user has changed one since (the value is then theirs).
+
+    What a probe process starts from and what cache keys hold: a remedy found for one
+    device set must not make another set's check pass, nor its verdict say "no remedy".
+    """
+    return {name: value for name, value in os.environ.items() if _applied.get(name) != value}
 
 
 class Setting(NamedTuple):

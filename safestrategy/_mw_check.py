@@ -113,7 +113,7 @@ def attempt(
     try:
         process, _ = _probe.start({"job": "multiworker"}, timeout, full_env)
     except _probe.ProbeDied as error:
-        return CandidateResult(NCCL, FAILED, f"the probe process {error}"), None
+        return CandidateResult(NCCL, FAILED, str(error)), None
     started = time.monotonic()
     try:
         reply = process.ask({"check": NCCL}, timeout)

@@ -20,11 +20,14 @@ are cached; one that could not start, or that ran out of GPU memory, is not.
 import logging
 import os
 import platform
+import shlex
+import shutil
+import subprocess
 import sys
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import _cache, _env, _machine, _probe, _tf
-from ._devices import Device
+from . import _cache, _env, _machine, _probe, _tf, choose
+from ._devices import Device, parse_device
 from .report import FAILED, OK, TIMEOUT, CandidateResult
 
 logger = logging.getLogger("safestrategy")
@@ -44,10 +47,6 @@ _GPU_MEMORY_TAKEN = (
     "TF_FORCE_GPU_ALLOW_GROWTH=true, or call safestrategy before any GPU op"
 )
 _OUT_OF_MEMORY = ("out of memory", "outofmemory", "resourceexhausted", "oom when allocating")
-
-#: Remedies this process set in os.environ, so that its cache keys stay those of the
-#: environment the user gave (the next run finds the verdict that found the remedy).
-_applied: Dict[str, str] = {}
 
 
 class Options(NamedTuple):
@@ -85,11 +84,8 @@ def _nvidia_driver() -> Optional[str]:
 
 
 def _user_nccl_environment() -> Dict[str, str]:
-    return {
-        name: value
-        for name, value in sorted(os.environ.items())
-        if name.startswith("NCCL_") and _applied.get(name) != value
-    }
+    user = _env.user_environ()
+    return {name: user[name] for name in sorted(user) if name.startswith("NCCL_")}
 
 
 def cache_key(tf: Any, devices: Sequence[Device], opts: Options) -> Dict[str, Any]:
@@ -120,7 +116,7 @@ def _attempt(devices: Sequence[Device], timeout: float, env: Mapping[str, str]) 
     try:
         process, _ = _probe.start(request, timeout, env)
     except _probe.ProbeDied as error:
-        reason = f"the probe process {error}"
+        reason = str(error)
         return _Attempt(CandidateResult(NCCL, FAILED, reason, 0.0), False)
     with process:
         result = _probe.check(process, NCCL, len(devices), timeout)
@@ -148,26 +144,50 @@ def _remediable(attempt: _Attempt) -> bool:
     )
 
 
+def user_remedies() -> Dict[str, str]:
+    """The remedy variables the user set, with the user's values: never overridden, and
+    their remedies never tried (one set by safestrategy for another device set is not
+    the user's)."""
+    user = _env.user_environ()
+    return {name: user[name] for name, _ in REMEDIES if name in user}
+
+
 def after_remedies(
     first: CandidateResult,
     later: Sequence[Tuple[Mapping[str, str], CandidateResult]],
     where: str = "",
+    skipped: Optional[Mapping[str, str]] = None,
 ) -> CandidateResult:
     """The verdict once remedies were tried: ``later`` holds (remedy, result) pairs in
     order. The first that passed keeps NCCL (its ``remedy`` set); else the first failure,
-    saying what was also tried. ``where`` qualifies a pass (" on every worker")."""
+    saying what was also tried, and which remedies were not because the user set their
+    variable (``skipped``: name -> the user's value; default :func:`user_remedies`).
+    ``where`` qualifies a pass (" on every worker")."""
     seconds = round(first.seconds + sum(result.seconds for _, result in later), 3)
     for env, result in later:
         if result.status == OK:
-            setting = ", ".join(f"{name}={value}" for name, value in env.items())
             failed = "timed out" if first.status == TIMEOUT else "failed"
-            reason = f"passed with {setting}{where}, after it {failed} without: "
+            reason = f"passed with {_setting(env)}{where}, after it {failed} without: "
             reason += _short(first.reason)
             return result._replace(reason=reason, seconds=seconds, remedy=dict(env))
-    if not later:
+    if first.status == OK:
         return first
-    tried = " and with ".join(f"{n}={v}" for env, _ in later for n, v in env.items())
-    return first._replace(reason=f"{first.reason} (also with {tried})", seconds=seconds)
+    notes = []
+    if later:
+        notes.append("also with " + " and with ".join(_setting(env) for env, _ in later))
+    user = user_remedies() if skipped is None else skipped
+    notes.extend(
+        f"{name}={value} not tried: you set {name}={user[name]}"
+        for name, value in REMEDIES
+        if name in user
+    )
+    if not notes:
+        return first
+    return first._replace(reason=f"{first.reason} ({'; '.join(notes)})", seconds=seconds)
+
+
+def _setting(env: Mapping[str, str]) -> str:
+    return ", ".join(f"{name}={value}" for name, value in env.items())
 
 
 def _run(devices: Sequence[Device], opts: Options) -> _Attempt:
@@ -176,15 +196,16 @@ def _run(devices: Sequence[Device], opts: Options) -> _Attempt:
         return first
     later: List[Tuple[Dict[str, str], CandidateResult]] = []
     cacheable = True
+    user = user_remedies()  # the user's own setting is never overridden, nor its remedy tried
     for name, value in REMEDIES:
-        if name in os.environ:
-            continue  # the user's own setting is never overridden, nor its remedy tried
+        if name in user:
+            continue
         attempt = _attempt(devices, opts.timeout, {name: value})
         later.append(({name: value}, attempt.result))
         if attempt.result.status == OK:
             cacheable = attempt.cacheable
             break
-    return _Attempt(after_remedies(first.result, later), cacheable)
+    return _Attempt(after_remedies(first.result, later, skipped=user), cacheable)
 
 
 def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResult:
@@ -206,13 +227,44 @@ def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResul
     return attempt.result
 
 
+def recheck_command(devices: Sequence[Any], timeout: float) -> str:
+    """The command that checks NCCL again on ``devices`` with ``timeout`` and rewrites the
+    cached verdict these give (``--refresh``); ``--backend nccl`` only where the command
+    line's default setting would not check NCCL first (no GPU among the devices, or
+    ``SAFESTRATEGY_BACKEND`` putting another first).
+
+    The interpreter is this one (the cache key holds it): ``python`` where that is what
+    ``PATH`` runs, else its full path.
+    """
+    parsed = [parse_device(str(device)) for device in devices]
+    python = "python" if shutil.which("python") == sys.executable else sys.executable
+    args = [python, "-m", "safestrategy", "--devices"]
+    args += [f"/{device.kind.lower()}:{device.index}" for device in parsed]
+    args += ["--timeout", str(int(timeout)) if float(timeout).is_integer() else repr(timeout)]
+    try:
+        first = choose.plan(_env.resolve_backend(None), parsed)[0]
+    except ValueError:
+        first = None
+    if first != choose.Planned(NCCL):
+        args += ["--backend", NCCL]
+    args.append("--refresh")
+    if os.name == "nt":
+        return subprocess.list2cmdline(args)
+    return " ".join(shlex.quote(arg) for arg in args)
+
+
+def cached_note(devices: Sequence[Any], timeout: float) -> str:
+    """What a message resting on a cached verdict adds: where it came from, how to re-check."""
+    command = recheck_command(devices, timeout)
+    return f"a verdict cached from an earlier run: `{command}` checks it again"
+
+
 def apply_remedy(remedy: Mapping[str, str], devices: Sequence[Any]) -> None:
     """Set a remedy's variables in ``os.environ`` (never over the user's), loudly once."""
     for name, value in remedy.items():
         if name in os.environ:
-            continue
-        os.environ[name] = value
-        _applied[name] = value
+            continue  # the user's, or set already for another device set
+        _env.set_variable(name, value)
         logger.warning(
             "NCCL hangs or fails on %s unless %s=%s; safestrategy set it for this process "
             "(NCCL reads it when its first all-reduce starts). Set it yourself to make it "

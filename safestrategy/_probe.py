@@ -32,6 +32,7 @@ import time
 import weakref
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
+from . import _env
 from ._allreduce import from_reply
 from .report import FAILED, TIMEOUT, CandidateResult
 
@@ -58,7 +59,12 @@ class ProbeTimeout(Exception):
 
 
 class ProbeDied(Exception):
-    """The probe process could not start, exited or crashed, or answered nonsense."""
+    """The probe process could not start, exited or crashed, or answered nonsense; the
+    message is a reason as reports show it ("the probe process died: ...")."""
+
+
+_SUBJECT = "the probe process "
+_COULD_NOT_START = f"{_SUBJECT}could not start: "
 
 
 def system() -> str:
@@ -103,20 +109,27 @@ def _exit_text(returncode: int) -> str:
     return f"exit status {returncode} ({code:#x}{', ' + crash if crash else ''})"
 
 
-# TensorFlow's own log lines ("2026-01-01 10:00:00.123: W tensorflow/...", "E0000 00:00:...",
-# "WARNING: All log messages before absl::InitializeLog()..."): its start-up banner, rarely
-# why a process died.
-_TF_LOG = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] |[IWE]\d{4} |WARNING: All log)")
+# TensorFlow's own log lines: its start-up banner, never why a process died. TF 1.x and 2.x
+# before absl ("2026-01-01 10:00:00.123456: I tensorflow/core/util/port.cc:113] oneDNN custom
+# operations are on..."), absl since TF 2.16 ("I0000 00:00:1733000000.123456   12345
+# port.cc:153] oneDNN custom operations are on...", "E0000 ...", "WARNING: All log messages
+# before absl::InitializeLog()..."), and the CPU guard's second line ("To enable the following
+# instructions: AVX2 FMA, in other operations, rebuild TensorFlow ..."). Fatal "F" lines are
+# not chatter: they say why.
+_TF_LOG = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] "
+    r"|[IWE]\d{4} \d\d:\d\d:\d+\.\d+ "
+    r"|WARNING: All log messages before absl::InitializeLog\(\)"
+    r"|To enable the following instructions: .* rebuild TensorFlow)"
+)
 
 
 def useful_last_line(lines: Any) -> str:
     """The line of a dying process's stderr most likely to say why: the last one that is
     not TensorFlow's INFO/WARNING/ERROR chatter (a traceback's last line, a fatal "F"
-    log, "Check failed"), else the last non-blank one."""
-    lines = [line.strip() for line in lines if line.strip()]
-    return next((line for line in reversed(lines) if not _TF_LOG.match(line)), "") or (
-        lines[-1] if lines else ""
-    )
+    log, "Check failed"); "" when there is none (chatter says nothing about why)."""
+    stripped = (line.strip() for line in reversed(list(lines)))
+    return next((line for line in stripped if line and not _TF_LOG.match(line)), "")
 
 
 def _command(request: Mapping[str, Any]) -> List[str]:
@@ -124,11 +137,10 @@ def _command(request: Mapping[str, Any]) -> List[str]:
         return [*WORKER_COMMAND, json.dumps(request)]
     if getattr(sys, "frozen", False):
         raise ProbeDied(
-            "could not start: this is a frozen application, whose executable cannot run "
-            "the probe process"
+            f"{_COULD_NOT_START}this is a frozen application, whose executable cannot run it"
         )
     if not sys.executable:
-        raise ProbeDied("could not start: this interpreter does not know its executable")
+        raise ProbeDied(f"{_COULD_NOT_START}this interpreter does not know its executable")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return [sys.executable, "-c", _BOOTSTRAP.format(root=root), json.dumps(request)]
 
@@ -148,7 +160,9 @@ class ProbeProcess:
     kills and reaps it however the block ends."""
 
     def __init__(self, request: Mapping[str, Any], env: Optional[Mapping[str, str]] = None):
-        full_env = dict(os.environ)
+        # The user's environment, not ours: a remedy set for another device set would make
+        # this check pass without it, and its verdict say "no remedy needed".
+        full_env = _env.user_environ()
         full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         full_env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
         full_env.update(env or {})
@@ -167,12 +181,13 @@ class ProbeProcess:
                 env=full_env,
             )
         except (OSError, ValueError) as error:
-            raise ProbeDied(f"could not start: {type(error).__name__}: {error}") from None
+            raise ProbeDied(f"{_COULD_NOT_START}{type(error).__name__}: {error}") from None
         _open.add(self)
         self.replies: queue.Queue = queue.Queue()
         self.stderr: Deque[str] = collections.deque(maxlen=40)
-        for target in (self._read_stdout, self._read_stderr):
-            threading.Thread(target=target, daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_reader.start()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
 
     def __enter__(self) -> "ProbeProcess":
         return self
@@ -210,18 +225,17 @@ class ProbeProcess:
             except subprocess.TimeoutExpired:  # stdout closed, process still there
                 self.close()
                 returncode = self.process.returncode
+            self._stderr_reader.join(5)  # its last words may still be in the pipe (busy machine)
             last = useful_last_line(self.stderr)
             detail = f"; last output: {last}" if last else ""
-            raise ProbeDied(f"the probe process died: {_exit_text(returncode)}{detail}")
+            raise ProbeDied(f"{_SUBJECT}died: {_exit_text(returncode)}{detail}")
         try:
             reply = json.loads(line)
             if not isinstance(reply, dict):
                 raise ValueError("not a JSON object")
         except ValueError as error:
             self.close()
-            raise ProbeDied(
-                f"the probe process answered nonsense ({error}): {line[:200]!r}"
-            ) from None
+            raise ProbeDied(f"{_SUBJECT}answered nonsense ({error}): {line[:200]!r}") from None
         return reply
 
     def send(self, message: Mapping[str, Any]) -> None:
@@ -251,17 +265,20 @@ def start(
 ) -> Tuple[ProbeProcess, Dict[str, Any]]:
     """A started probe process and the facts it reported first.
 
-    Raises ``ProbeDied`` (with "could not start") when it cannot start, dies or
-    does not report within ``max(STARTUP_TIMEOUT, timeout)``; nothing is left running.
+    Raises ``ProbeDied`` ("the probe process could not start: ...") when it cannot
+    start, dies or does not report within ``max(STARTUP_TIMEOUT, timeout)``; nothing
+    is left running.
     """
     process = ProbeProcess(request, env)
     try:
         reply = process.receive(max(STARTUP_TIMEOUT, timeout))
         if "facts" not in reply:
-            raise ProbeDied(f"the probe process answered nonsense: {reply!r}"[:300])
+            raise ProbeDied(f"{_SUBJECT}answered nonsense: {reply!r}"[:300])
     except (ProbeTimeout, ProbeDied) as error:
         process.close()
-        raise ProbeDied(f"could not start: {error}") from None
+        why = str(error)  # "the probe process died: ..." -> "it died: ..."
+        why = "it " + why[len(_SUBJECT) :] if why.startswith(_SUBJECT) else why
+        raise ProbeDied(f"{_COULD_NOT_START}{why}") from None
     except BaseException:
         process.close()
         raise

@@ -12,7 +12,6 @@ obey the same switches (``SAFESTRATEGY_CACHE``, ``--refresh``, 7 days).
 
 import datetime
 import logging
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _cache, _env, _machine, _nccl, _tf
@@ -104,11 +103,8 @@ def _untried_remedies(stall: Stall) -> List[Tuple[str, str]]:
     names = [name for name, _ in _nccl.REMEDIES]
     tried = [names.index(name) for name in stall.remedy if name in names]
     after = max(tried) + 1 if tried else 0
-    return [
-        (name, value)
-        for name, value in _nccl.REMEDIES[after:]
-        if name not in os.environ or name in _nccl._applied
-    ]
+    user = _nccl.user_remedies()
+    return [(name, value) for name, value in _nccl.REMEDIES[after:] if name not in user]
 
 
 def verdict(stall: Stall, devices: Sequence[Any], opts: _nccl.Options) -> CandidateResult:

@@ -80,10 +80,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     def progress(result: CandidateResult) -> None:
         print(result.line(), flush=True)
 
+    def starting() -> None:  # every input is valid: nothing printed before a usage error
+        print("checking all-reduce backends...", flush=True)
+
     try:
         _split_cpu(parse_devices(args.devices) if args.devices else None)
-        if not args.json:
-            print("checking all-reduce backends (NCCL in a probe process)...", flush=True)
         report = decide(
             args.devices,
             backend=args.backend,
@@ -91,6 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             cache=False if args.no_cache else None,
             refresh=args.refresh,
             on_result=None if args.json else progress,
+            on_start=None if args.json else starting,
         )[0]
         status = 0
     except ValueError as error:

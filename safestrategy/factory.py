@@ -112,7 +112,7 @@ class _Checks:
                     {"job": "mirrored", "devices": self.names}, self.opts.timeout
                 )
             except _probe.ProbeDied as error:
-                self.start_failure = f"the probe process {error}"
+                self.start_failure = str(error)
         if self.process is None:
             return CandidateResult(name, FAILED, self.start_failure)
         result = _probe.check(self.process, name, len(self.devices), self.opts.timeout)
@@ -143,20 +143,25 @@ def decide(
     cache: Optional[bool] = None,
     refresh: bool = False,
     on_result: Optional[Callable[[CandidateResult], None]] = None,
+    on_start: Optional[Callable[[], None]] = None,
 ) -> Tuple[Report, bool]:
     """The report for a request, and whether it was decided afresh (False: remembered).
 
     The engine behind :func:`probe`, :func:`make_mirrored_strategy` and the CLI
     (internal: not part of the public API). ``cache=False`` neither reads nor
     writes cached NCCL verdicts, ``refresh=True`` ignores them (and what this
-    process remembers); ``on_result`` sees each candidate's result as it comes.
+    process remembers); ``on_start`` is called once every input is valid and the
+    checks are about to run, ``on_result`` with each candidate's result as it comes.
     Raises ``ValueError`` for bad input, ``NoWorkingBackendError`` when nothing works.
     """
-    return _decide(_request(devices, backend, timeout, cache, refresh), on_result)
+    request = _request(devices, backend, timeout, cache, refresh)
+    return _decide(request, on_result, on_start)
 
 
 def _decide(
-    request: _Request, on_result: Optional[Callable[[CandidateResult], None]]
+    request: _Request,
+    on_result: Optional[Callable[[CandidateResult], None]],
+    on_start: Optional[Callable[[], None]] = None,
 ) -> Tuple[Report, bool]:
     if _tf.tf_version() is None:
         raise ImportError(_tf.INSTALL_HINT)
@@ -181,6 +186,8 @@ def _decide(
                 on_result(result)
             return result
 
+        if on_start is not None:
+            on_start()
         try:
             decision = choose.decide(setting, devices, check)
         finally:
@@ -204,22 +211,22 @@ def _decide(
         stalls=stalls,
     )
     if decision.backend is None:
-        raise NoWorkingBackendError(failure_message(devices, decision.results, setting), report)
+        message = failure_message(devices, decision.results, setting)
+        if any(result.cached for result in decision.results):
+            message += f"\n{_nccl.NCCL}: {_nccl.cached_note(devices, request.nccl.timeout)}."
+        raise NoWorkingBackendError(message, report)
     with _lock:
         _decisions[key] = devices, decision, kernels
     return report, remembered is None
 
 
-def _log(report: Report, setting: Setting, fresh: bool) -> None:
-    """One WARNING per fallback when freshly decided; DEBUG when remembered."""
+def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
+    """One WARNING per fallback when freshly decided; DEBUG when remembered. A failure
+    read from the cache says so, and gives the command that re-checks it (``timeout``:
+    the NCCL check's, part of the verdict's key)."""
     level = logging.WARNING if fresh else logging.DEBUG
     for failed in (r for r in report.candidates if r.status in (FAILED, TIMEOUT)):
-        cached = (
-            " (a verdict cached from an earlier run: `python -m safestrategy --refresh` "
-            "checks again)"
-            if failed.cached
-            else ""
-        )
+        cached = f" ({_nccl.cached_note(report.devices, timeout)})" if failed.cached else ""
         logger.log(
             level,
             "all-reduce backend %s %s on %s (%s)%s; using %s instead. To choose yourself, %s.",
@@ -296,7 +303,7 @@ def make_mirrored_strategy(
         report = _own_ops_report(tf.__version__, strategy, own_ops)
     else:
         report, fresh = _decide(request, None)
-        _log(report, request.setting, fresh)
+        _log(report, request.setting, fresh, request.nccl.timeout)
         _stalls.warn_forced(report, request.setting)
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         if chosen is not None and chosen.remedy:

@@ -11,7 +11,6 @@ is in docs/multiworker.md.
 """
 
 import logging
-import os
 import platform as _platform
 import socket
 import threading
@@ -113,7 +112,7 @@ def _hello(request: Request, facts: Mapping[str, Any]) -> Dict[str, Any]:
         "gpus": facts.get("gpus"),
         "nccl_kernels": facts.get("nccl_kernels"),
         "tf_version": facts.get("tf_version"),
-        "user_nccl": [name for name, _ in _nccl.REMEDIES if name in os.environ],
+        "user_nccl": list(_nccl.user_remedies()),
         "remedies": request.remedies,
         "probe_port": _free_port(request.cluster.me.host),
     }

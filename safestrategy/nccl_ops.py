@@ -387,6 +387,8 @@ def _decide(
             return _Decision(True, f"NCCL smoke check passed: {result.reason}", check=result)
         reason = result.reason.strip().splitlines()[0] if result.reason.strip() else result.status
     if setting.mode == "forced":
+        if result is not None and result.cached:  # the timeout _smoke_check used: the key's
+            reason += f" ({_nccl.cached_note(local, _nccl.options().timeout)})"
         raise NoWorkingBackendError(
             f"{ENV_BACKEND}=nccl forces NCCL for safestrategy.nccl_ops on {', '.join(devices)}, "
             f"but it cannot be used there: {reason}. Unset it, or list a fallback "
@@ -415,14 +417,18 @@ def _log(decision: _Decision, devices: Sequence[str]) -> None:
     if check is None:
         logger.info("nccl_ops on %s: not using NCCL (%s); %s", where, decision.reason, instead)
         return
-    cached = " (a verdict cached from an earlier run)" if check.cached else ""
+    timeout = _nccl.options().timeout  # the one _smoke_check used: part of the verdict's key
+    if check.cached:
+        again = f" ({_nccl.cached_note(devices, timeout)})"
+    else:
+        again = f"; `{_nccl.recheck_command(devices, timeout)}` checks NCCL again"
     logger.warning(
         "NCCL %s on %s (%s)%s; safestrategy.nccl_ops is %s instead. Set %s=reduce_to_cpu "
-        "to reduce on the CPU; `python -m safestrategy --refresh` checks NCCL again.",
+        "to reduce on the CPU.",
         "timed out" if check.status == TIMEOUT else "failed its smoke check",
         where,
         decision.reason,
-        cached,
+        again,
         instead,
         ENV_BACKEND,
     )

@@ -47,10 +47,10 @@ def isolated(monkeypatch, tmp_path):
     """Each test decides for itself: no decision remembered from another test, an empty
     verdict cache of its own, none of the caller's SAFESTRATEGY_*/NCCL_* remedy variables,
     and whatever the library sets in os.environ undone afterwards."""
-    from safestrategy import _nccl, factory
+    from safestrategy import _env, factory
 
     factory._decisions.clear()
-    monkeypatch.setattr(_nccl, "_applied", {})
+    monkeypatch.setattr(_env, "_applied", {})
     for variable in LIBRARY_VARIABLES:
         monkeypatch.setenv(variable, "")  # records the original, so teardown restores it
         monkeypatch.delenv(variable)

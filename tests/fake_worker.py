@@ -7,7 +7,8 @@ marked, stdin watchdog). FAKE_WORKER selects how each check behaves:
 - "ok" (right sums), "wrong" (replica 1's value dropped, as
   HierarchicalCopyAllReduce does on odd counts), "error", "oom" (an
   out-of-memory error), "hang" (a broken NCCL), "abort" (a crashing one);
-- "die-at-start" exits before reporting facts; "slow-start" never reports
+- "die-at-start" exits before reporting facts, saying why on stderr, "silent-death"
+  without a word; "slow-start" never reports
   them; "banner" prints a line to stdout before anything else, as a
   sitecustomize might; "garbage" answers a check with a protocol line that is
   not JSON; "noisy" first writes 256 KiB of stderr with bytes that are not
@@ -16,7 +17,8 @@ marked, stdin watchdog). FAKE_WORKER selects how each check behaves:
   unless the environment variable VAR is set (an NCCL that a remedy fixes).
 
 FAKE_WORKER_PIDFILE, if set, receives the pid; FAKE_WORKER_LOG, if set, gets
-one line per start ("start" and the NCCL_* variables it was given).
+one line per start ("start" and the NCCL_* variables it was given);
+FAKE_WORKER_STDERR, if set, is written to stderr first (TensorFlow's banner).
 """
 
 import json
@@ -36,6 +38,10 @@ if os.environ.get("FAKE_WORKER_LOG"):
     with open(os.environ["FAKE_WORKER_LOG"], "a") as log:
         nccl = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("NCCL_"))
         log.write(" ".join(["start", *nccl]) + "\n")
+if os.environ.get("FAKE_WORKER_STDERR"):
+    print(os.environ["FAKE_WORKER_STDERR"], file=sys.stderr, flush=True)
+if behaviour == "silent-death":
+    sys.exit(3)
 if behaviour == "die-at-start":
     print("fake: cannot load libcuda.so.1", file=sys.stderr, flush=True)
     sys.exit(3)

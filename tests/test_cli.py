@@ -64,7 +64,7 @@ def test_exit_2_on_bad_arguments_or_environment(run_cli, args, env, message):
     done = run_cli(*args, env=env)
     assert done.returncode == 2
     assert message in done.stderr
-    assert done.stdout == "" or "checking" in done.stdout
+    assert done.stdout == ""  # only the error: no "checking ..." before it
 
 
 def test_the_report_shows_cached_verdicts_and_refresh_checks_again(fake, capsys):
@@ -73,7 +73,7 @@ def test_the_report_shows_cached_verdicts_and_refresh_checks_again(fake, capsys)
     fake("ok")
     args = ["--devices", "/cpu:0", "/cpu:1", "--backend", "nccl"]
     assert cli.main(args) == 0
-    assert "checking all-reduce backends (NCCL in a probe process)" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith("checking all-reduce backends...\n")
     safestrategy_decisions_clear()
     assert cli.main(args) == 0
     assert "  nccl               ok         cached  all 2 replicas" in capsys.readouterr().out

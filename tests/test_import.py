@@ -26,3 +26,15 @@ def test_import_touches_nothing_and_missing_tensorflow_says_how_to_install():
     done = run_python("-c", SCRIPT)
     assert done.returncode == 0, done.stderr
     assert "pip install 'safestrategy[cpu]'" in done.stdout
+
+
+def test_the_package_and_its_metadata_agree_on_the_version():
+    import re
+
+    import safestrategy
+
+    from .conftest import ROOT
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    (declared,) = re.findall(r'(?m)^version = "([^"]+)"$', pyproject)
+    assert safestrategy.__version__ == declared

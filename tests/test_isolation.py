@@ -79,8 +79,8 @@ def test_a_probe_process_that_cannot_start_fails_nccl_and_the_decision_goes_on(f
     report = safestrategy.probe(["/cpu:0", "/cpu:1"], backend="nccl,reduce_to_cpu")
     nccl, _ = report.candidates
     assert (nccl.status, report.backend) == ("failed", "reduce_to_cpu")
-    assert "could not start" in nccl.reason and "exit status 3" in nccl.reason
-    assert "libcuda" in nccl.reason
+    assert nccl.reason.startswith("the probe process could not start: it died: exit status 3")
+    assert nccl.reason.endswith("; last output: fake: cannot load libcuda.so.1")
     assert fake.starts() == ["start"]  # not cached: the next run tries again
     safestrategy.factory._decisions.clear()
     safestrategy.probe(["/cpu:0", "/cpu:1"], backend="nccl,reduce_to_cpu")
@@ -123,8 +123,34 @@ def test_the_last_output_of_a_crash_skips_tensorflows_banner():
         "",
     ]
     assert _probe.useful_last_line(stderr) == stderr[1]
-    assert _probe.useful_last_line(stderr[2:]) == stderr[4]
+    assert _probe.useful_last_line(stderr[2:]) == ""  # chatter only: nothing to quote
     assert _probe.useful_last_line([]) == ""
+    fatal = "F0000 00:00:1796029686.266921 7134 nccl_ops.cc:42] Check failed: comm != nullptr"
+    assert _probe.useful_last_line([fatal, *stderr[2:]]) == fatal
+
+
+# TensorFlow 2.21's and 1.15's start-up lines, as they print them (real output).
+BANNERS = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1733000000.123456   12345 port.cc:153] oneDNN custom operations are on. You "
+    "may see slightly different numerical results due to floating-point round-off errors from "
+    "different computation orders. To turn them off, set the environment variable "
+    "`TF_ENABLE_ONEDNN_OPTS=0`.",
+    "I0000 00:00:1796161170.542599   16550 cpu_feature_guard.cc:227] This TensorFlow binary is "
+    "optimized to use available CPU instructions in performance-critical operations.",
+    "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow "
+    "with the appropriate compiler flags.",
+    "2026-12-01 21:40:22.567481: I tensorflow/core/platform/cpu_feature_guard.cc:142] Your CPU "
+    "supports instructions that this TensorFlow binary was not compiled to use: AVX2 FMA",
+    "2026-12-01 21:40:22.592553: I tensorflow/core/util/port.cc:113] oneDNN custom operations "
+    "are on.",
+]
+
+
+def test_a_death_after_only_tensorflows_banner_quotes_no_last_output(fake, monkeypatch):
+    monkeypatch.setenv("FAKE_WORKER_STDERR", "\n".join(BANNERS))
+    result = nccl_result(fake, "silent-death")
+    assert result.reason == "the probe process could not start: it died: exit status 3 (0x3)"
 
 
 def test_a_frozen_application_does_not_start_itself_again(fake, monkeypatch):

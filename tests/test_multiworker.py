@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import safestrategy
-from safestrategy import _cluster, _mw_choose, _probe, multiworker
+from safestrategy import _cluster, _mw_choose, _nccl, _probe, multiworker
 from safestrategy._cluster import Address
 from safestrategy._env import Setting, resolve_communication
 from safestrategy._rendezvous import PROTOCOL, MissingWorkersError, Rendezvous
@@ -350,6 +350,17 @@ def test_a_remedy_that_works_is_agreed_by_every_worker(fake_mw):
         (nccl,) = report.candidates
         assert (report.backend, dict(nccl.remedy)) == ("nccl", {"NCCL_P2P_DISABLE": "1"})
         assert nccl.reason.startswith("passed with NCCL_P2P_DISABLE=1 on every worker")
+
+
+def test_the_cross_worker_check_runs_in_the_users_environment_not_ours(fake_mw):
+    # as if a single-machine decision had set it earlier in this process
+    _nccl.apply_remedy({"NCCL_P2P_DISABLE": "1"}, ["/gpu:0", "/gpu:1"])
+    fake_mw("p2p")
+    results = decide_threads(2, "nccl,ring", timeout=1.0)
+    for report in results.values():
+        nccl = report.candidates[0]
+        # inherited, the variable made NCCL pass as "no remedy needed"
+        assert nccl.status != "ok" or dict(nccl.remedy) == {"NCCL_P2P_DISABLE": "1"}
 
 
 def test_cpu_workers_skip_nccl_in_auto_and_fail_it_when_forced(fake_mw):

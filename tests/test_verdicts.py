@@ -8,12 +8,16 @@ fresh one, and a remedy tried from one skipped.
 import json
 import logging
 import os
+import re
+import shlex
+import sys
 import time
 
 import pytest
 
 import safestrategy
-from safestrategy import _cache, factory
+from safestrategy import _cache, _env, _nccl, factory
+from safestrategy.report import CandidateResult
 
 from .conftest import GPUS
 
@@ -31,6 +35,13 @@ def decide_again(**kwargs):
         return safestrategy.probe(CPUS, **{"backend": "nccl,reduce_to_cpu", **kwargs})
     except safestrategy.NoWorkingBackendError as error:
         return error.report
+
+
+def new_process(monkeypatch):
+    """What a new launch starts from: nothing remembered, no remedy set by an earlier one."""
+    monkeypatch.delenv(P2P, raising=False)
+    monkeypatch.setattr(_env, "_applied", {})
+    factory._decisions.clear()
 
 
 def cache_files(tmp_path):
@@ -71,6 +82,44 @@ def test_the_cache_key_holds_what_can_change_the_verdict(fake, monkeypatch):
     assert len(fake.starts()) == 4
     decide_again(timeout=7)
     assert len(fake.starts()) == 4
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Sets what this machine's probes read (GPU UUIDs, host name, /dev/shm size), as on
+    another node of a cluster sharing the cache directory."""
+    from safestrategy import _machine
+
+    def be(uuids=(), host="node-a", shm=64 << 20):
+        monkeypatch.setattr(_machine, "_uuids_from_proc", lambda: list(uuids))
+        monkeypatch.setattr(_machine, "_uuids_from_nvidia_smi", lambda: [])
+        monkeypatch.setattr(_machine.socket, "gethostname", lambda: host)
+        monkeypatch.setattr(_machine, "shm_bytes", lambda: shm)
+        _machine._identity.cache_clear()  # read once per process: this is a new one
+
+    yield be
+    _machine._identity.cache_clear()
+
+
+A, B = "GPU-0c1d2e3f-aaaa-bbbb-cccc-000000000001", "GPU-0c1d2e3f-aaaa-bbbb-cccc-000000000002"
+
+
+@pytest.mark.parametrize(
+    "node_a, node_b, same",
+    [
+        ({"uuids": [A]}, {"uuids": [B]}, False),  # a shared home: another node's GPUs
+        ({"host": "node-a"}, {"host": "node-b"}, False),  # no UUIDs readable: the host name
+        ({"shm": 64 << 20}, {"shm": 8 << 30}, False),  # NCCL's SHM transport differs
+        ({"uuids": [A], "host": "c1"}, {"uuids": [A], "host": "c2"}, True),  # a new container
+    ],
+)
+def test_a_verdict_holds_on_the_machine_that_measured_it_only(fake, machine, node_a, node_b, same):
+    fake("error")
+    machine(**node_a)
+    assert decide_again().candidates[0].cached is False
+    machine(**node_b)
+    assert decide_again().candidates[0].cached is same
+    assert len(fake.starts()) == (1 if same else 2)
 
 
 def test_refresh_and_cache_off(fake, monkeypatch, tmp_path, run_cli):
@@ -128,7 +177,18 @@ def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
 
 
+def quoted_command(message):
+    """The command a message quotes between backticks, as the argv ``cli.main`` takes."""
+    (command,) = re.findall(r"`([^`]*--refresh)`", message)
+    argv = shlex.split(command)
+    assert argv[1:3] == ["-m", "safestrategy"]
+    assert argv[0] == "python" or argv[0] == sys.executable  # the cache key's interpreter
+    return command.split(" -m safestrategy ")[1], argv[3:]
+
+
 def test_a_fallback_resting_on_a_cached_verdict_says_how_to_check_again(fake, caplog):
+    from safestrategy import cli
+
     fake("error")
     decide_again()
     factory._decisions.clear()
@@ -136,7 +196,60 @@ def test_a_fallback_resting_on_a_cached_verdict_says_how_to_check_again(fake, ca
         safestrategy.make_mirrored_strategy(CPUS, backend="nccl,reduce_to_cpu")
     (warning,) = [r for r in caplog.records if r.name == "safestrategy"]
     assert "cached from an earlier run" in warning.getMessage()
-    assert "--refresh" in warning.getMessage()
+    # auto skips NCCL on CPUs: the command names it so that it is checked
+    args, argv = quoted_command(warning.getMessage())
+    assert args == "--devices /cpu:0 /cpu:1 --timeout 60 --backend nccl --refresh"
+    fake("ok")
+    assert cli.main(argv) == 0
+    (nccl, _) = decide_again().candidates
+    assert (nccl.status, nccl.cached) == ("ok", True)  # the entry the training reads, rewritten
+    assert len(fake.starts()) == 2
+
+
+def test_a_forced_nccl_failing_on_a_cached_verdict_says_so_and_its_command_rechecks_it(
+    fake, monkeypatch
+):
+    from safestrategy import cli
+
+    monkeypatch.setenv("SAFESTRATEGY_PROBE_TIMEOUT", "7.5")  # not the default: in the key
+    fake("error")
+    with pytest.raises(safestrategy.NoWorkingBackendError):
+        safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    factory._decisions.clear()
+    with pytest.raises(safestrategy.NoWorkingBackendError) as raised:
+        safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    assert "nccl: a verdict cached from an earlier run" in str(raised.value)
+    args, argv = quoted_command(str(raised.value))
+    assert args == "--devices /gpu:0 /gpu:1 --timeout 7.5 --refresh"
+    monkeypatch.delenv("SAFESTRATEGY_PROBE_TIMEOUT")  # a shell without the training's setting
+    fake("ok")
+    assert cli.main(argv) == 0
+    monkeypatch.setenv("SAFESTRATEGY_PROBE_TIMEOUT", "7.5")
+    factory._decisions.clear()
+    safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    (nccl,) = safestrategy.last_report().candidates
+    assert (nccl.status, nccl.cached) == ("ok", True)
+    assert len(fake.starts()) == 2
+
+
+def test_nccl_ops_says_a_forced_nccl_failed_on_a_cached_verdict(fake, tf, monkeypatch, caplog):
+    from safestrategy import nccl_ops
+
+    from .test_nccl_ops import inputs, placed
+
+    monkeypatch.setattr(nccl_ops, "_decisions", {})
+    fake("error")
+    with caplog.at_level(logging.WARNING, logger="safestrategy"), tf.Graph().as_default():
+        nccl_ops.all_sum(placed(tf, inputs(2), GPUS))  # auto: falls back, fresh
+        monkeypatch.setenv("SAFESTRATEGY_BACKEND", "nccl")
+        with pytest.raises(safestrategy.NoWorkingBackendError) as raised:
+            nccl_ops.all_sum(placed(tf, inputs(2), GPUS))
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "safestrategy"]
+    assert "cached" not in warning
+    assert quoted_command(warning)[0] == "--devices /gpu:0 /gpu:1 --timeout 60 --refresh"
+    assert "a verdict cached from an earlier run" in str(raised.value)
+    assert quoted_command(str(raised.value))[0] == "--devices /gpu:0 /gpu:1 --timeout 60 --refresh"
+    assert len(fake.starts()) == 1
 
 
 # --- remedies -----------------------------------------------------------------------------
@@ -177,6 +290,28 @@ def test_a_variable_the_user_set_is_kept_and_its_remedy_not_tried(fake, monkeypa
     assert fake.starts() == [f"start {P2P}=0", f"start {P2P}=0 {SHM}=1"]
 
 
+def test_a_failure_says_which_remedies_the_users_settings_kept_from_being_tried(fake, monkeypatch):
+    monkeypatch.setenv(P2P, "0")
+    fake("abort")
+    (nccl, _) = decide_again().candidates
+    assert nccl.reason.endswith(f"(also with {SHM}=1; {P2P}=1 not tried: you set {P2P}=0)")
+    monkeypatch.setenv(SHM, "")
+    (nccl, _) = decide_again().candidates
+    assert nccl.reason.endswith(
+        f"({P2P}=1 not tried: you set {P2P}=0; {SHM}=1 not tried: you set {SHM}=)"
+    )
+    assert len(fake.starts()) == 3
+
+
+def test_the_multiworker_verdict_names_the_users_settings_too(monkeypatch):
+    monkeypatch.setenv(P2P, "0")
+    _nccl.apply_remedy({SHM: "1"}, GPUS)  # ours, not the user's: not named
+    first = CandidateResult("nccl", "timeout", "worker:1: timeout: no answer within 1 s", 1.0)
+    tried = [({SHM: "1"}, first)]
+    reason = _nccl.after_remedies(first, tried, " on every worker").reason
+    assert reason.endswith(f"(also with {SHM}=1; {P2P}=1 not tried: you set {P2P}=0)")
+
+
 def test_remedies_can_be_switched_off(fake, monkeypatch):
     monkeypatch.setenv("SAFESTRATEGY_NCCL_REMEDIES", "off")
     fake(f"hang-unless-{P2P}")
@@ -204,13 +339,44 @@ def test_every_remedy_failing_says_so(fake):
 def test_a_cached_remedy_is_applied_without_a_probe_process(fake, monkeypatch, short_timeout):
     fake(f"hang-unless-{P2P}")
     safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
-    monkeypatch.delenv(P2P)  # the next launch: a new process without the variable
-    monkeypatch.setattr(safestrategy._nccl, "_applied", {})
-    factory._decisions.clear()
+    new_process(monkeypatch)
     safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
     (nccl,) = safestrategy.last_report().candidates
     assert (nccl.cached, nccl.remedy, os.environ[P2P]) == (True, {P2P: "1"}, "1")
     assert len(fake.starts()) == 2  # the first launch's two, none for the second
+
+
+def test_a_remedy_for_one_device_set_does_not_pass_another(fake, monkeypatch, short_timeout):
+    fake(f"hang-unless-{P2P}")
+    safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
+    assert os.environ[P2P] == "1"  # set for GPUs 0,1
+    safestrategy.make_mirrored_strategy([*GPUS, "/gpu:2"], backend="nccl")
+    (nccl,) = safestrategy.last_report().candidates
+    # GPUs 0,1,2 were checked in the user's environment, not with our remedy inherited
+    assert fake.starts() == ["start", f"start {P2P}=1", "start", f"start {P2P}=1"]
+    assert (nccl.status, nccl.remedy) == ("ok", {P2P: "1"})
+    new_process(monkeypatch)
+    safestrategy.make_mirrored_strategy([*GPUS, "/gpu:2"], backend="nccl")
+    (nccl,) = safestrategy.last_report().candidates
+    assert (nccl.cached, nccl.remedy, os.environ[P2P]) == (True, {P2P: "1"}, "1")
+    assert len(fake.starts()) == 4
+
+
+def test_a_remedy_we_set_is_not_the_users_setting(fake, short_timeout):
+    fake(f"hang-unless-{SHM}")
+    _nccl.apply_remedy({P2P: "1"}, GPUS)  # as an earlier device set's verdict would
+    (nccl,) = decide_again(backend="nccl").candidates
+    # P2P is ours, not the user's: its remedy is still tried, and in the user's environment
+    assert fake.starts() == ["start", f"start {P2P}=1", f"start {SHM}=1"]
+    assert nccl.remedy == {SHM: "1"}
+
+
+def test_a_value_the_user_changed_is_theirs(fake, monkeypatch):
+    fake("ok")
+    _nccl.apply_remedy({P2P: "1"}, GPUS)
+    monkeypatch.setenv(P2P, "0")
+    decide_again()
+    assert fake.starts() == [f"start {P2P}=0"]
 
 
 def test_nccl_ops_applies_the_remedy_on_its_own_decision(fake, tf, short_timeout):
