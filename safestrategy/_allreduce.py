@@ -149,27 +149,40 @@ def _graph_all_reduce(tf: Any, era: str, strategy: Any, config: Any) -> Values:
     return [(t.device, v.tolist()) for t, v in zip(tensors, values)]
 
 
-def all_reduce(tf: Any, era: str, devices: Sequence[str], name: str, config: Any = None) -> Values:
+def all_reduce(
+    tf: Any,
+    era: str,
+    devices: Sequence[str],
+    name: str,
+    config: Any = None,
+    timeout: Optional[float] = None,
+) -> Values:
     """Every replica's result of one sum all-reduce with backend ``name`` over ``devices``.
 
     ``config`` is the TF1 session config (see :func:`session_config`); TF2 runs eagerly.
+    ``timeout`` bounds a ``collective`` backend's ops (TF raises instead of waiting).
     """
     if config is None:
-        ops = build_cross_device_ops(tf, era, name)
+        ops = build_cross_device_ops(tf, era, name, devices, timeout)
         return _eager_all_reduce(tf, build_strategy(tf, era, devices, ops))
     with tf.Graph().as_default():  # TF1: the strategy's ops belong to this graph only
-        ops = build_cross_device_ops(tf, era, name)
+        ops = build_cross_device_ops(tf, era, name, devices, timeout)
         strategy = build_strategy(tf, era, devices, ops)
         return _graph_all_reduce(tf, era, strategy, config)
 
 
 def smoke_check(
-    tf: Any, era: str, devices: Sequence[str], name: str, config: Any = None
+    tf: Any,
+    era: str,
+    devices: Sequence[str],
+    name: str,
+    config: Any = None,
+    timeout: Optional[float] = None,
 ) -> CandidateResult:
     """Run backend ``name``'s smoke all-reduce here, in this process, and judge it."""
     started = time.monotonic()
     try:
-        values = all_reduce(tf, era, devices, name, config)
+        values = all_reduce(tf, era, devices, name, config, timeout)
     except Exception as error:
         reason = ": ".join(part for part in first_line(error) if part)
         return CandidateResult(name, FAILED, reason, round(time.monotonic() - started, 3))
