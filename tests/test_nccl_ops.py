@@ -519,4 +519,16 @@ def test_setting_is_part_of_the_cache_key(tf, monkeypatch):
         nccl_ops.all_sum(placed(tf, inputs(2)))
         monkeypatch.setenv("SAFESTRATEGY_BACKEND", "reduce_to_cpu")
         nccl_ops.all_sum(placed(tf, inputs(2)))
-    assert sorted(key[1].names[0] for key in nccl_ops._decisions) == ["nccl", "reduce_to_cpu"]
+    settings = sorted((key[1].mode, key[1].names[-1]) for key in nccl_ops._decisions)
+    assert settings == [("auto", "reduce_to_cpu"), ("forced", "reduce_to_cpu")]
+
+
+def test_collective_is_no_nccl_ops_candidate():
+    """collective is a strategy's all-reduce: nccl_ops's auto still starts with NCCL, and a
+    list naming collective first goes on to the next name."""
+
+    def passes(devices):
+        return CandidateResult("nccl", "ok", "right", 0.1)
+
+    assert nccl_ops._decide(GPUS, setting(), passes).nccl
+    assert nccl_ops._decide(GPUS, setting("collective,nccl"), passes).nccl
