@@ -77,7 +77,11 @@ def test_auto_trains_like_one_device(tf2, single_device_weights, n):
     # the fastest that passed, by the 3 % rule, with the report's words
     timed = [(c.name, c.ms) for c in report.candidates if c.ms is not None]
     assert all(c.status == "ok" for c in report.candidates if c.ms is not None)
-    assert (report.backend, report.reason) == fastest(timed)
+    if len(timed) > 1:
+        assert (report.backend, report.reason) == fastest(timed)
+    else:  # TF < 2.13 on 3 CPUs: collective skipped, hierarchical_copy wrong: nothing to race
+        assert (report.backend, timed) == ("reduce_to_cpu", [])
+        assert report.reason.startswith("the only candidate that passed")
     assert report.payload_mb == 1.0  # conftest's SAFESTRATEGY_PAYLOAD_MB
     assert_trains_like_one_device(tf2, strategy, single_device_weights)
 
