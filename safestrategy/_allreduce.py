@@ -185,20 +185,28 @@ def _graph_all_reduce(tf: Any, era: str, strategy: Any, config: Any) -> Values:
     return [(t.device, v.tolist()) for t, v in zip(tensors, values)]
 
 
-def all_reduce(tf: Any, era: str, devices: Sequence[str], name: str, config: Any = None) -> Values:
+def all_reduce(
+    tf: Any,
+    era: str,
+    devices: Sequence[str],
+    name: str,
+    config: Any = None,
+    timeout: Optional[float] = None,
+) -> Values:
     """Every replica's result of one sum all-reduce with backend ``name`` over ``devices``.
 
     ``config`` is the session config for graph mode (see :func:`session_config`);
     None runs it eagerly (TF2), and then ``PlacementError`` if a result is
-    elsewhere than asked.
+    elsewhere than asked. ``timeout`` bounds a ``collective`` backend's ops (TF
+    raises instead of waiting).
     """
     if config is None:
-        ops = build_cross_device_ops(tf, era, name)
+        ops = build_cross_device_ops(tf, era, name, devices, timeout)
         values = _eager_all_reduce(tf, build_strategy(tf, era, devices, ops))
         check_placement(values, devices)
         return values
     with tf.Graph().as_default():  # TF1: the strategy's ops belong to this graph only
-        ops = build_cross_device_ops(tf, era, name)
+        ops = build_cross_device_ops(tf, era, name, devices, timeout)
         strategy = build_strategy(tf, era, devices, ops)
         return _graph_all_reduce(tf, era, strategy, config)
 
@@ -230,7 +238,12 @@ def in_fresh_thread(function: Callable[[], T]) -> T:
 
 
 def smoke_check(
-    tf: Any, era: str, devices: Sequence[str], name: str, config: Any = None
+    tf: Any,
+    era: str,
+    devices: Sequence[str],
+    name: str,
+    config: Any = None,
+    timeout: Optional[float] = None,
 ) -> CandidateResult:
     """Run backend ``name``'s smoke all-reduce in this process and judge it.
 
@@ -239,7 +252,7 @@ def smoke_check(
     """
     started = time.monotonic()
     try:
-        values = in_fresh_thread(lambda: all_reduce(tf, era, devices, name, config))
+        values = in_fresh_thread(lambda: all_reduce(tf, era, devices, name, config, timeout))
     except Exception as error:
         reason = ": ".join(part for part in first_line(error) if part)
         return CandidateResult(name, FAILED, reason, round(time.monotonic() - started, 3))

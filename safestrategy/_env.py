@@ -20,12 +20,18 @@ ENV_NCCL_REMEDIES = "SAFESTRATEGY_NCCL_REMEDIES"
 ENV_COMMUNICATION = "SAFESTRATEGY_COMMUNICATION"
 ENV_STALL_TIMEOUT = "SAFESTRATEGY_STALL_TIMEOUT"
 ENV_STALL_ACTION = "SAFESTRATEGY_STALL_ACTION"
+ENV_PAYLOAD = "SAFESTRATEGY_PAYLOAD_MB"
 
 #: Seconds one smoke check may take before it is abandoned.
 DEFAULT_TIMEOUT = 60.0
 #: The longest timeout accepted: a day (every platform can wait that long; a
 #: larger number is far more likely a typo than a plan).
 MAX_TIMEOUT = 86400.0
+
+#: Megabytes of float32 ``auto`` all-reduces to time each candidate (one Keras step's
+#: gradients of a mid-sized model), and the largest accepted (a typo guard).
+DEFAULT_PAYLOAD_MB = 32.0
+MAX_PAYLOAD_MB = 16384.0
 
 AUTO = "auto"
 
@@ -143,16 +149,35 @@ def resolve_timeout(argument: Any, environ: Optional[Mapping[str, str]] = None) 
         value, source = _from_env(environ, ENV_TIMEOUT), "env"
         if value is None:
             return DEFAULT_TIMEOUT
-    try:
-        seconds = math.nan if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
+    seconds = _number(value)
     if not 0 < seconds <= MAX_TIMEOUT:  # also false for NaN
         raise ValueError(
             f"probe timeout {value!r} from {_source_text(source, ENV_TIMEOUT)} is not valid; "
             f"give a positive number of seconds up to {MAX_TIMEOUT:g}, e.g. 60"
         )
     return seconds
+
+
+def _number(value: Any) -> float:
+    """``value`` as a float; NaN (never valid) for what is not a number, bools included."""
+    try:
+        return math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def resolve_payload_mb(environ: Optional[Mapping[str, str]] = None) -> float:
+    """Megabytes ``auto`` times each candidate on: ``SAFESTRATEGY_PAYLOAD_MB``, else 32."""
+    value = _from_env(os.environ if environ is None else environ, ENV_PAYLOAD)
+    if value is None:
+        return DEFAULT_PAYLOAD_MB
+    megabytes = _number(value)
+    if not 0 < megabytes <= MAX_PAYLOAD_MB:  # also false for NaN
+        raise ValueError(
+            f"payload {value!r} from the environment variable {ENV_PAYLOAD} is not valid; "
+            f"give a positive number of megabytes up to {MAX_PAYLOAD_MB:g}, e.g. 32"
+        )
+    return megabytes
 
 
 def resolve_switch(
@@ -217,3 +242,14 @@ def resolve_stall(environ: Optional[Mapping[str, str]] = None) -> StallSettings:
             f"is not valid; valid values are {', '.join(STALL_ACTIONS)}"
         )
     return StallSettings(timeout, action)
+
+
+def xla_auto_jit_flag(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """TensorFlow's own ``TF_XLA_FLAGS`` turns XLA auto-clustering on (``--tf_xla_auto_jit``
+    other than -1 or 0); read here, never validated (it is TensorFlow's setting)."""
+    flags = (os.environ if environ is None else environ).get("TF_XLA_FLAGS", "")
+    for flag in flags.split():
+        name, _, value = flag.partition("=")
+        if name.lstrip("-") == "tf_xla_auto_jit":
+            return value.strip() not in ("", "-1", "0")
+    return False

@@ -110,16 +110,18 @@ def _short(reason: str) -> str:
     return reason.strip().splitlines()[0] if reason.strip() else ""
 
 
-def _attempt(devices: Sequence[Device], timeout: float, env: Mapping[str, str]) -> _Attempt:
-    """NCCL's smoke all-reduce in one fresh probe process, with ``env`` added."""
+def _attempt(
+    devices: Sequence[Device], timeout: float, env: Mapping[str, str], name: str = NCCL
+) -> _Attempt:
+    """NCCL's smoke all-reduce (backend ``name``) in one fresh probe process, ``env`` added."""
     request = {"job": "mirrored", "devices": [str(device) for device in devices]}
     try:
         process, _ = _probe.start(request, timeout, env)
     except _probe.ProbeDied as error:
         reason = str(error)
-        return _Attempt(CandidateResult(NCCL, FAILED, reason, 0.0), False)
+        return _Attempt(CandidateResult(name, FAILED, reason, 0.0), False)
     with process:
-        result = _probe.check(process, NCCL, len(devices), timeout)
+        result = _probe.check(process, name, len(devices), timeout)
         output = " ".join(process.stderr)
     text = (result.reason + output).lower().replace(" ", "")
     if result.status == FAILED and any(word in text for word in _OUT_OF_MEMORY):
@@ -190,40 +192,45 @@ def _setting(env: Mapping[str, str]) -> str:
     return ", ".join(f"{name}={value}" for name, value in env.items())
 
 
-def _run(devices: Sequence[Device], opts: Options) -> _Attempt:
-    first = _attempt(devices, opts.timeout, {})
+def _run(devices: Sequence[Device], opts: Options, name: str) -> _Attempt:
+    first = _attempt(devices, opts.timeout, {}, name)
     if not (opts.remedies and _remediable(first)):
         return first
     later: List[Tuple[Dict[str, str], CandidateResult]] = []
     cacheable = True
     user = user_remedies()  # the user's own setting is never overridden, nor its remedy tried
-    for name, value in REMEDIES:
-        if name in user:
+    for variable, value in REMEDIES:
+        if variable in user:
             continue
-        attempt = _attempt(devices, opts.timeout, {name: value})
-        later.append(({name: value}, attempt.result))
+        attempt = _attempt(devices, opts.timeout, {variable: value}, name)
+        later.append(({variable: value}, attempt.result))
         if attempt.result.status == OK:
             cacheable = attempt.cacheable
             break
     return _Attempt(after_remedies(first.result, later, skipped=user), cacheable)
 
 
-def verdict(tf: Any, devices: Sequence[Device], opts: Options) -> CandidateResult:
-    """NCCL's smoke-check result on ``devices``: from the kernel count, the cache, or a run."""
-    if _tf.nccl_kernel_count(tf) == 0:
+def verdict(tf: Any, devices: Sequence[Device], opts: Options, name: str = NCCL) -> CandidateResult:
+    """NCCL's smoke-check result on ``devices``: from the kernel count, the cache, or a run.
+
+    ``name``: the backend that all-reduces with NCCL (``nccl``, or ``collective`` on GPUs,
+    which has no kernel short-cut: its runtime falls back to RING without NCCL); its
+    verdicts are cached under that name.
+    """
+    if name == NCCL and _tf.nccl_kernel_count(tf) == 0:
         return CandidateResult(NCCL, FAILED, NO_KERNELS, 0.0)
     directory = _env.cache_dir() if opts.cache else None
     key = cache_key(tf, devices, opts) if directory is not None else {}
     if directory is not None and not opts.refresh:
-        stored = _cache.read(directory, "nccl", key)
+        stored = _cache.read(directory, name, key)
         if stored is not None:
             try:
                 return CandidateResult(**{**stored, "cached": True})
             except TypeError:
                 logger.debug("cached NCCL verdict %r has the wrong fields; ignored", stored)
-    attempt = _run(devices, opts)
+    attempt = _run(devices, opts, name)
     if directory is not None and attempt.cacheable:
-        _cache.write(directory, "nccl", key, attempt.result.to_dict())
+        _cache.write(directory, name, key, attempt.result.to_dict())
     return attempt.result
 
 

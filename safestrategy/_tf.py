@@ -262,3 +262,26 @@ def gpu_names(tf: Any) -> Optional[List[str]]:
         return [str(details(gpu).get("device_name")) for gpu in gpus]
     except Exception:
         return None
+
+
+def virtual_gpus(tf: Any) -> bool:
+    """TF2: more logical GPUs than physical ones (one GPU split in several); False on TF 1.x."""
+    if not tf.__version__.startswith("2."):
+        return False
+    lister = getattr(tf.config, "list_logical_devices", None)
+    lister = lister or tf.config.experimental.list_logical_devices  # TF 2.0
+    return len(lister("GPU")) > len(list_physical_devices(tf, "GPU"))
+
+
+def xla_auto_jit(tf: Any) -> bool:
+    """XLA auto-clustering is known to be on: ``TF_XLA_FLAGS`` has ``--tf_xla_auto_jit``
+    with a value that turns it on, or ``tf.config.optimizer.get_jit()`` says so (TF2).
+    (A Keras ``jit_compile`` is set later, on the model: it cannot be known here.)"""
+    from ._env import xla_auto_jit_flag
+
+    if xla_auto_jit_flag():
+        return True
+    try:
+        return bool(tf.config.optimizer.get_jit())
+    except Exception:
+        return False

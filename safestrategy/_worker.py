@@ -10,8 +10,9 @@ Protocol, one JSON object per line on stdout, each behind ``_probe.PREFIX``
 "devices": [...], "parent": pid}``; the worker first writes
 ``{"facts": {...}}``, then answers each ``{"check": NAME}`` read from stdin
 with ``{"values": [[device, [floats]], ...]}`` (every replica's all-reduced
-value) or ``{"error": [type, first line]}``. Whatever else is printed to
-stdout after start-up goes to stderr.
+value) or ``{"error": [type, first line]}``, and each ``{"time": NAME,
+"payload_mb": MB}`` with ``{"ms": median}`` (see :mod:`safestrategy._timing`).
+Whatever else is printed to stdout after start-up goes to stderr.
 
 The process ends with its parent: on Linux the kernel kills it when the parent
 dies (``PR_SET_PDEATHSIG``), and everywhere a watchdog thread exits it when
@@ -30,6 +31,7 @@ from . import _mw_check
 from ._allreduce import all_reduce, first_line, session_config
 from ._devices import Device, parse_devices
 from ._tf import configure_logical_cpus, era, import_tf, list_physical_devices
+from ._timing import median_ms
 
 Send = Callable[[Dict[str, Any]], None]
 
@@ -108,14 +110,20 @@ class Checker:
     def all_reduce(self, name: str) -> Any:
         return all_reduce(self.tf, self.era, self.devices, name, self.config)
 
+    def time(self, name: str, payload_mb: float) -> float:
+        return median_ms(self.tf, self.era, self.devices, name, payload_mb, self.config)
+
 
 def _mirrored(request: Dict[str, Any], send: Send, requests: "queue.Queue[str]") -> int:
     checker = Checker(parse_devices(request["devices"]))
     send({"facts": checker.facts})
     while True:  # until the parent closes stdin: the watchdog then ends the process
-        name = json.loads(requests.get())["check"]
+        message = json.loads(requests.get())
         try:
-            send({"values": checker.all_reduce(name)})
+            if "time" in message:
+                send({"ms": checker.time(message["time"], float(message["payload_mb"]))})
+            else:
+                send({"values": checker.all_reduce(message["check"])})
         except Exception as error:
             send({"error": first_line(error)})
 

@@ -1,7 +1,8 @@
-"""The backend table: our four names and how each is built on each TensorFlow era.
+"""The backend table: our names and how each is built on each TensorFlow era.
 
 This is the one place that knows TensorFlow's cross-device-ops class names.
 It is data plus two small builders; everything else refers to backends by name.
+``collective`` has no public class: :mod:`safestrategy._collective` builds it.
 """
 
 import inspect
@@ -31,7 +32,7 @@ class Backend(NamedTuple):
     name: str
     needs_gpu: bool  #: inapplicable (skipped by ``auto``) when no GPU is among the devices
     summary: str
-    specs: Dict[str, OpsSpec]  #: era -> constructor
+    specs: Dict[str, OpsSpec]  #: era -> constructor (empty: built by its own module)
 
 
 def _per_era(allreduce_kind: Optional[str], reduce_to: Optional[str]) -> Dict[str, OpsSpec]:
@@ -52,6 +53,12 @@ def _per_era(allreduce_kind: Optional[str], reduce_to: Optional[str]) -> Dict[st
 
 
 BACKENDS: Tuple[Backend, ...] = (
+    Backend(
+        "collective",
+        False,
+        "TensorFlow's own default since 2.13: CollectiveAllReduce (NCCL on GPUs, else RING)",
+        {},
+    ),
     Backend("nccl", True, "NCCL all-reduce between GPUs", _per_era("nccl", None)),
     Backend(
         "hierarchical_copy",
@@ -63,7 +70,7 @@ BACKENDS: Tuple[Backend, ...] = (
     Backend("reduce_to_cpu", False, "reduce on the CPU, copy back", _per_era(None, CPU_DEVICE)),
 )
 
-#: Backend names in ``auto`` order.
+#: Backend names in the documented order (``auto``'s order for ties and display).
 BACKEND_NAMES: Tuple[str, ...] = tuple(backend.name for backend in BACKENDS)
 
 _BY_NAME = {backend.name: backend for backend in BACKENDS}
@@ -79,8 +86,22 @@ def ops_module(tf: Any, era: str) -> Any:
     return tf.distribute if era == "distribute" else tf.contrib.distribute
 
 
-def build_cross_device_ops(tf: Any, era: str, name: str) -> Any:
-    """Construct backend ``name``'s cross-device-ops object for TensorFlow ``tf``."""
+def build_cross_device_ops(
+    tf: Any, era: str, name: str, devices: Sequence[str] = (), timeout: Optional[float] = None
+) -> Any:
+    """Construct backend ``name``'s cross-device-ops object for TensorFlow ``tf``.
+
+    ``collective`` is built for ``devices`` (``ValueError`` with the reason where it is
+    not TF's default), its ops bounded by ``timeout`` seconds when given (checks only).
+    """
+    if name == "collective":
+        from . import _collective
+        from ._devices import parse_devices
+
+        applicable = _collective.live(tf, parse_devices(devices))
+        if applicable.implementation is None:
+            raise ValueError(applicable.reason)
+        return _collective.build(tf, devices, applicable.implementation, timeout)
     spec = get_backend(name).specs[era]
     return getattr(ops_module(tf, era), spec.cls)(*spec.args, **dict(spec.kwargs))
 

@@ -13,13 +13,13 @@ import platform as _platform
 import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from . import _nccl, _probe, _stalls, _tf, _watchdog, choose
+from . import _cache, _collective, _env, _nccl, _probe, _stalls, _tf, _timing, _watchdog, choose
 from ._allreduce import graph_api, session_config, smoke_check
 from ._devices import Device, parse_devices, require_existing
 from ._env import Setting, resolve_backend, resolve_stall
 from .backends import build_cross_device_ops, build_strategy, check_kwargs, get_backend
 from .choose import Decision, failure_message, override_hint
-from .report import FAILED, OK, TIMEOUT, CandidateResult, Report, Stall
+from .report import FAILED, OK, TIMEOUT, XLA_NOTE, CandidateResult, Report, Stall
 
 logger = logging.getLogger("safestrategy")
 
@@ -49,6 +49,7 @@ class _Request(NamedTuple):
     devices: Optional[Tuple[Device, ...]]
     setting: Setting
     nccl: _nccl.Options
+    payload_mb: float  #: what ``auto`` times candidates on
 
 
 def _request(
@@ -63,17 +64,20 @@ def _request(
         parse_devices(devices) if devices is not None else None,
         resolve_backend(backend),
         _nccl.options(timeout, cache, refresh),
+        _env.resolve_payload_mb(),
     )
 
 
 class _Checks:
-    """Runs one candidate's smoke check at a time for one device set, each where it belongs."""
+    """Runs one candidate's smoke check (and timing) at a time for one device set, each
+    where it belongs: what may hang (NCCL, a collective on NCCL) in a probe process."""
 
     def __init__(
         self,
         tf: Any,
         devices: Tuple[Device, ...],
         opts: _nccl.Options,
+        payload_mb: float,
         graph: Optional[Any],
         mode: str = "auto",
         stalls: Tuple[Stall, ...] = (),
@@ -81,9 +85,10 @@ class _Checks:
         """``graph``: the caller's :func:`~safestrategy._allreduce.graph_api` (None: eager),
         asked in the caller's thread: the checks run in threads of their own. ``mode``: the
         setting's; ``stalls``: the backends that stalled in an earlier training here."""
-        self.tf, self.devices, self.opts = tf, devices, opts
+        self.tf, self.devices, self.opts, self.payload_mb = tf, devices, opts, payload_mb
         # A backend that stalled in an earlier training fails, unless forced (the watchdog).
         self.stalled = {s.backend: s for s in stalls} if mode != "forced" else {}
+        self.collective = _collective.live(tf, devices)
         self.era = _tf.era(tf.__version__)
         self.names = [str(device) for device in devices]
         self.gpu = any(device.kind == "GPU" for device in devices)
@@ -94,18 +99,56 @@ class _Checks:
         self.process: Optional[_probe.ProbeProcess] = None
         self.start_failure = ""  #: why the probe process could not start, once it could not
 
+    def unavailable(self) -> Dict[str, str]:
+        """Candidates that cannot apply to these devices here, and why (``auto`` skips them)."""
+        if self.collective.implementation is None:
+            return {_collective.NAME: self.collective.reason}
+        return {}
+
+    def _may_hang(self, name: str) -> bool:
+        return name == _nccl.NCCL or (
+            name == _collective.NAME and self.collective.implementation == _collective.NCCL
+        )
+
     def __call__(self, name: str) -> CandidateResult:
         if name in self.stalled:
             return _stalls.verdict(self.stalled[name], self.devices, self.opts)
         if name == _nccl.NCCL:
             return _nccl.verdict(self.tf, self.devices, self.opts)
+        if name == _collective.NAME:
+            if self.collective.implementation is None:
+                return CandidateResult(name, FAILED, self.collective.reason)
+            requested = f" ({self.collective.implementation} requested)"
+            if self._may_hang(name):
+                result = _nccl.verdict(self.tf, self.devices, self.opts, name)
+            else:  # RING on CPUs: in-process, each op bounded by the timeout
+                result = smoke_check(
+                    self.tf, self.era, self.names, name, self.config, self.opts.timeout
+                )
+            return result._replace(reason=result.reason + requested)
         if get_backend(name).needs_gpu and not self.gpu:
             return CandidateResult(name, FAILED, NO_GPU)
         if self.config is not None and self.gpu:
             return self._in_probe_process(name)
         return smoke_check(self.tf, self.era, self.names, name, self.config)
 
-    def _in_probe_process(self, name: str) -> CandidateResult:
+    def time(self, name: str) -> Optional[float]:
+        """Median ms of ``name``'s payload all-reduce (None: it could not be timed)."""
+        if self._may_hang(name) or (self.config is not None and self.gpu):
+            process = self._process()
+            if process is None:
+                return None
+            return _timing.in_probe_process(process, name, self.payload_mb, self.opts.timeout)
+        try:
+            return _timing.median_ms(
+                self.tf, self.era, self.names, name, self.payload_mb, self.config, self.opts.timeout
+            )
+        except Exception as error:
+            logger.debug("timing %s failed: %s", name, error)
+            return None
+
+    def _process(self) -> Optional[_probe.ProbeProcess]:
+        """The probe process for this device set, started on first use (None: it cannot)."""
         if self.process is None and not self.start_failure:
             try:
                 self.process, _ = _probe.start(
@@ -113,7 +156,10 @@ class _Checks:
                 )
             except _probe.ProbeDied as error:
                 self.start_failure = str(error)
-        if self.process is None:
+        return self.process
+
+    def _in_probe_process(self, name: str) -> CandidateResult:
+        if self._process() is None:
             return CandidateResult(name, FAILED, self.start_failure)
         result = _probe.check(self.process, name, len(self.devices), self.opts.timeout)
         if result.status != OK:  # a fresh process for the next: CUDA may be poisoned
@@ -173,11 +219,19 @@ def _decide(
     opts = request.nccl
     stalls = _stalls.recorded(tf, [str(d) for d in devices], opts.cache, opts.refresh)
     recorded = tuple((stall.backend, stall.when) for stall in stalls)
-    key = (devices, mode, setting.mode, setting.names, opts._replace(refresh=False), recorded)
+    key = (
+        devices,
+        mode,
+        setting.mode,
+        setting.names,
+        opts._replace(refresh=False),
+        request.payload_mb,
+        recorded,
+    )
     with _lock:
         remembered = None if opts.refresh else _decisions.get(key)
     if remembered is None:
-        checks = _Checks(tf, devices, opts, graph, setting.mode, stalls)
+        checks = _Checks(tf, devices, opts, request.payload_mb, graph, setting.mode, stalls)
 
         def check(name: str) -> CandidateResult:
             result = checks(name)
@@ -189,12 +243,13 @@ def _decide(
         if on_start is not None:
             on_start()
         try:
-            decision = choose.decide(setting, devices, check)
+            decision = _timed_decision(tf, request, devices, mode, checks, check)
         finally:
             checks.close()
         kernels = _tf.nccl_kernel_count(tf)
     else:
         devices, decision, kernels = remembered
+    raced = setting.mode == "auto" and len(devices) > 1
     report = Report(
         backend=decision.backend or "none",
         source=setting.source,
@@ -209,6 +264,8 @@ def _decide(
         nccl_kernels=kernels,
         python=_platform.python_version(),
         stalls=stalls,
+        payload_mb=request.payload_mb if raced else None,
+        xla=_tf.xla_auto_jit(tf),
     )
     if decision.backend is None:
         message = failure_message(devices, decision.results, setting)
@@ -218,6 +275,53 @@ def _decide(
     with _lock:
         _decisions[key] = devices, decision, kernels
     return report, remembered is None
+
+
+def _timed_decision(
+    tf: Any,
+    request: _Request,
+    devices: Tuple[Device, ...],
+    mode: str,
+    checks: _Checks,
+    check: Callable[[str], CandidateResult],
+) -> Decision:
+    """``choose.decide`` with the timings kept on disk: an ``auto`` decision whose timings
+    are cached checks only its winner and times nothing; fresh timings are written, and
+    those of a cached winner that fails now are dropped."""
+    setting, opts = request.setting, request.nccl
+    directory = _env.cache_dir() if opts.cache and setting.mode == "auto" else None
+    key: Dict[str, Any] = {}
+    cached = None
+    if directory is not None and len(devices) > 1:
+        key = _timing.cache_key(tf, devices, mode, request.payload_mb)
+        stored = None if opts.refresh else _cache.read(directory, "timing", key)
+        cached = _remembered(stored)
+    decision = choose.decide(setting, devices, check, checks.time, checks.unavailable(), cached)
+    if key and decision.timed and decision.backend is not None:
+        _cache.write(directory, "timing", key, _stored(decision))
+    elif key and cached is not None and not decision.warm:
+        _cache.remove(directory, "timing", key)
+    return decision
+
+
+def _stored(decision: Decision) -> Dict[str, Any]:
+    return {
+        "backend": decision.backend,
+        "reason": decision.reason,
+        "results": [result.to_dict() for result in decision.results],
+    }
+
+
+def _remembered(stored: Optional[Dict[str, Any]]) -> Optional[Decision]:
+    """A cached ``auto`` decision, or None when there is none or it is malformed."""
+    if stored is None:
+        return None
+    try:
+        results = tuple(CandidateResult(**result) for result in stored["results"])
+        return Decision(str(stored["backend"]), str(stored["reason"]), results)
+    except (KeyError, TypeError) as error:
+        logger.debug("cached timings %r are malformed (%s); ignored", stored, error)
+        return None
 
 
 def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
@@ -240,10 +344,11 @@ def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
         )
     logger.log(
         logging.INFO if fresh else logging.DEBUG,
-        "using all-reduce backend %s on %s: %s",
+        "using all-reduce backend %s on %s: %s%s",
         report.backend,
         ", ".join(report.devices),
         report.reason,
+        f" (XLA is on: {XLA_NOTE})" if report.xla else "",
     )
 
 
@@ -282,9 +387,10 @@ def make_mirrored_strategy(
     """A ``MirroredStrategy`` whose all-reduce was run and checked on ``devices``.
 
     Drop-in for ``tf.distribute.MirroredStrategy(devices)``. The backend is
-    ``backend=``, else ``$SAFESTRATEGY_BACKEND``, else the first of nccl,
-    hierarchical_copy, reduce_to_gpu, reduce_to_cpu that sums correctly across
-    the devices. Other keyword arguments go to MirroredStrategy unchanged; a
+    ``backend=``, else ``$SAFESTRATEGY_BACKEND``, else the fastest of collective,
+    nccl, hierarchical_copy, reduce_to_gpu, reduce_to_cpu that sums correctly
+    across the devices (timed on a gradient-like payload; within 3 % the
+    earlier in that order). Other keyword arguments go to MirroredStrategy unchanged; a
     ``cross_device_ops`` (or TF 1.12 ``cross_tower_ops``) of your own is used
     as given, with no probing.
     """
@@ -308,7 +414,7 @@ def make_mirrored_strategy(
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         if chosen is not None and chosen.remedy:
             _nccl.apply_remedy(chosen.remedy, report.devices)
-        ops = build_cross_device_ops(tf, era, report.backend)
+        ops = build_cross_device_ops(tf, era, report.backend, report.devices)
         strategy = build_strategy(tf, era, list(report.devices), ops, **kwargs)
     with _lock:
         _last_report = report

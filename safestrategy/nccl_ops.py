@@ -365,9 +365,11 @@ def _decide(
     ``nccl`` that cannot work raises ``NoWorkingBackendError``.
     """
     names = ",".join(setting.names)
-    fallbacks = [name for name in setting.names if name != NCCL]
+    # ``collective`` is a strategy's all-reduce, with no nccl_ops counterpart: not a candidate
+    candidates = [name for name in setting.names if name != "collective"]
+    fallbacks = [name for name in candidates if name != NCCL]
     reduce_on = CPU_DEVICE if fallbacks[:1] == ["reduce_to_cpu"] else None
-    if setting.names[0] != NCCL:
+    if candidates[:1] != [NCCL]:
         return _Decision(False, f"{ENV_BACKEND}={names} does not start with nccl", reduce_on)
     parsed = [_parse(name) for name in devices]
     local = tuple(device for device in parsed if device is not None)

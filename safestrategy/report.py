@@ -10,6 +10,10 @@ SKIPPED = "skipped"
 NOT_TRIED = "not_tried"
 STATUSES = (OK, FAILED, TIMEOUT, SKIPPED, NOT_TRIED)
 
+XLA_NOTE = (
+    "TensorFlow uses its collective all-reduce in XLA-compiled steps whatever backend was chosen"
+)
+
 
 class CandidateResult(NamedTuple):
     """What happened to one candidate backend."""
@@ -18,19 +22,24 @@ class CandidateResult(NamedTuple):
     status: str  #: one of :data:`STATUSES`
     reason: str = ""
     seconds: float = 0.0
-    cached: bool = False  #: the verdict was read from the on-disk cache, not run now
+    #: the verdict (and its timing, when timed) was read from the on-disk cache, not run now
+    cached: bool = False
     #: Environment variables that made it pass (an NCCL remedy); empty when none.
     remedy: Mapping[str, str] = {}
+    #: Median milliseconds of the timed all-reduce payload; None when not timed.
+    ms: Optional[float] = None
 
-    def line(self) -> str:
-        """One human-readable line, as the CLI prints it while probing."""
+    def line(self, timed: bool = False) -> str:
+        """One human-readable line, as the CLI prints it while probing; ``timed``: leave
+        room for the median ms column (some candidate of the table was timed)."""
         if self.cached:
             timing = " cached"
         elif self.status in (OK, FAILED, TIMEOUT):
             timing = f"{self.seconds:6.2f}s"
         else:
             timing = " " * 7
-        return f"  {self.name:<18} {self.status:<9} {timing}  {self.reason}".rstrip()
+        speed = f" {self.ms:8.1f} ms" if self.ms is not None else " " * 12 if timed else ""
+        return f"  {self.name:<18} {self.status:<9} {timing}{speed}  {self.reason}".rstrip()
 
     def to_dict(self) -> Dict[str, Any]:
         data = self._asdict()
@@ -79,6 +88,11 @@ class Report(NamedTuple):
     task: Optional[str] = None  #: multi-worker: this process's task, e.g. "worker:0"
     #: Stalls recorded for this machine and device set by the watchdog in earlier runs.
     stalls: Tuple[Stall, ...] = ()
+    #: Megabytes of the payload ``auto`` times candidates on; None when nothing is raced.
+    payload_mb: Optional[float] = None
+    #: XLA auto-clustering is known to be on: TF then all-reduces with its collective ops
+    #: whatever was chosen (``cross_device_ops`` is ignored under XLA).
+    xla: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         data = self._asdict()
@@ -103,10 +117,15 @@ class Report(NamedTuple):
             f"tensorflow   {self.tf_version} ({self.tf_api})",
             f"nccl kernels {known(self.nccl_kernels)}",
         ]
+        if self.payload_mb is not None:
+            lines.append(f"payload      {self.payload_mb:g} MB (timed candidates: median ms)")
+        if self.xla:
+            lines.append(f"xla          on: {XLA_NOTE}")
         if self.workers is not None:
             lines.append(f"workers      {self.workers} (this is {known(self.task)})")
         lines.append("candidates")
-        lines.extend(candidate.line() for candidate in self.candidates)
+        timed = any(candidate.ms is not None for candidate in self.candidates)
+        lines.extend(candidate.line(timed) for candidate in self.candidates)
         if self.stalls:
             lines.append("stalls recorded (python -m safestrategy --refresh forgets them)")
             lines.extend(stall.line() for stall in self.stalls)

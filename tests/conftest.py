@@ -39,6 +39,8 @@ LIBRARY_VARIABLES = (
     "SAFESTRATEGY_CACHE",
     "SAFESTRATEGY_NCCL_REMEDIES",
     "SAFESTRATEGY_COMMUNICATION",
+    "SAFESTRATEGY_PAYLOAD_MB",
+    "TF_XLA_FLAGS",
 )
 
 
@@ -55,6 +57,9 @@ def isolated(monkeypatch, tmp_path):
         monkeypatch.setenv(variable, "")  # records the original, so teardown restores it
         monkeypatch.delenv(variable)
     monkeypatch.setenv("SAFESTRATEGY_CACHE_DIR", str(tmp_path / "cache"))
+    # auto times candidates on a payload: 1 MB keeps each test's races short (the default
+    # 32 MB is tested where it matters)
+    monkeypatch.setenv("SAFESTRATEGY_PAYLOAD_MB", "1")
 
 
 GPUS = ["/gpu:0", "/gpu:1"]

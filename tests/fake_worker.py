@@ -16,6 +16,9 @@ marked, stdin watchdog). FAKE_WORKER selects how each check behaves:
 - "hang-unless-VAR" / "error-unless-VAR": hang, or fail with an NCCL error,
   unless the environment variable VAR is set (an NCCL that a remedy fixes).
 
+A timing request ({"time": NAME}) is answered from FAKE_WORKER_MS ("nccl=1,collective=3"):
+by default NCCL takes 1.0 ms and anything else 2.0, as on a real multi-GPU machine.
+
 FAKE_WORKER_PIDFILE, if set, receives the pid; FAKE_WORKER_LOG, if set, gets
 one line per start ("start" and the NCCL_* variables it was given);
 FAKE_WORKER_STDERR, if set, is written to stderr first (TensorFlow's banner).
@@ -67,8 +70,13 @@ devices = request["devices"] or ["/device:GPU:0", "/device:GPU:1"]
 send({"facts": {"tf_version": "2.99.0", "devices": devices, "gpus": 2, "nccl_kernels": 1}})
 n = len(devices)
 while True:
-    requests.get()
-    if behaviour == "hang":
+    message = json.loads(requests.get())
+    if "time" in message and behaviour != "hang":  # timed after it passed: FAKE_WORKER_MS
+        times = dict(
+            pair.split("=") for pair in os.environ.get("FAKE_WORKER_MS", "").split(",") if pair
+        )
+        send({"ms": float(times.get(message["time"], 1.0 if message["time"] == "nccl" else 2.0))})
+    elif behaviour == "hang":
         time.sleep(3600)
     elif behaviour == "abort":
         print("F external/nccl/src/init.cc: NCCL abort (fake)", file=sys.stderr, flush=True)

@@ -520,7 +520,8 @@ def test_setting_is_part_of_the_cache_key(tf, monkeypatch):
         nccl_ops.all_sum(placed(tf, inputs(2)))
         monkeypatch.setenv("SAFESTRATEGY_BACKEND", "reduce_to_cpu")
         nccl_ops.all_sum(placed(tf, inputs(2)))
-    assert sorted(key[1].names[0] for key in nccl_ops._decisions) == ["nccl", "reduce_to_cpu"]
+    settings = sorted((key[1].mode, key[1].names[-1]) for key in nccl_ops._decisions)
+    assert settings == [("auto", "reduce_to_cpu"), ("forced", "reduce_to_cpu")]
 
 
 # --- aliased under TensorFlow's name ------------------------------------------------------
@@ -549,3 +550,14 @@ def test_aliased_under_tensorflows_name_it_sums_and_tensorflows_own_code_uses_it
     assert result["all_reduce_uses_ours"] == (order == "before" or modes != ["graph"])
     if result["all_reduce_uses_ours"]:
         assert result["all_reduce"] == {mode: sums for mode in modes}
+
+
+def test_collective_is_no_nccl_ops_candidate():
+    """collective is a strategy's all-reduce: nccl_ops's auto still starts with NCCL, and a
+    list naming collective first goes on to the next name."""
+
+    def passes(devices):
+        return CandidateResult("nccl", "ok", "right", 0.1)
+
+    assert nccl_ops._decide(GPUS, setting(), passes).nccl
+    assert nccl_ops._decide(GPUS, setting("collective,nccl"), passes).nccl

@@ -35,6 +35,7 @@ def test_to_json_round_trips_to_dict():
         "seconds": 0.5,
         "cached": False,
         "remedy": {},
+        "ms": None,
     }
     assert data["nccl_kernels"] is None
 
@@ -65,3 +66,22 @@ def test_the_report_is_frozen():
     except AttributeError:
         return
     raise AssertionError("Report accepted an assignment")
+
+
+def test_timings_payload_and_xla_are_shown():
+    timed = (
+        CandidateResult("hierarchical_copy", "ok", "right", 0.2, ms=11.6),
+        CandidateResult(
+            "reduce_to_cpu", "ok", "fastest: 5.7 ms; hierarchical_copy 11.6 ms", 0.1, ms=5.7
+        ),
+        CandidateResult("nccl", "skipped", "no GPU among the devices"),
+    )
+    report = make_report(candidates=timed, payload_mb=32.0, xla=True)
+    text = str(report)
+    assert "  reduce_to_cpu      ok          0.10s      5.7 ms  fastest: 5.7 ms" in text
+    rows = text.splitlines()[-2:]
+    assert rows[0].index("fastest") == rows[1].index("no GPU")  # reasons stay in one column
+    assert "payload      32 MB" in text
+    assert "xla          on: TensorFlow uses its collective all-reduce" in text
+    data = json.loads(report.to_json())
+    assert (data["payload_mb"], data["xla"], data["candidates"][0]["ms"]) == (32.0, True, 11.6)

@@ -17,14 +17,22 @@ from safestrategy._env import (
     cache_dir,
     resolve_backend,
     resolve_communication,
+    resolve_payload_mb,
     resolve_switch,
     resolve_timeout,
+    xla_auto_jit_flag,
 )
 
 
 def test_default_is_auto_in_table_order():
     assert resolve_backend(None, {}) == Setting("auto", BACKEND_NAMES, "default")
-    assert BACKEND_NAMES == ("nccl", "hierarchical_copy", "reduce_to_gpu", "reduce_to_cpu")
+    assert BACKEND_NAMES == (
+        "collective",
+        "nccl",
+        "hierarchical_copy",
+        "reduce_to_gpu",
+        "reduce_to_cpu",
+    )
 
 
 def test_argument_beats_env_beats_default():
@@ -138,3 +146,33 @@ def test_device_names():
             parse_devices(bad)
     with pytest.raises(ValueError, match="list of device names"):
         parse_devices("/gpu:0")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "lots", "99999"])
+def test_a_bad_payload_size_is_a_value_error_naming_the_variable(value):
+    with pytest.raises(
+        ValueError,
+        match=f"payload '{value}' from the environment variable "
+        "SAFESTRATEGY_PAYLOAD_MB is not valid",
+    ):
+        resolve_payload_mb({"SAFESTRATEGY_PAYLOAD_MB": value})
+
+
+def test_the_payload_size_defaults_to_32_mb_and_takes_fractions():
+    assert resolve_payload_mb({}) == resolve_payload_mb({"SAFESTRATEGY_PAYLOAD_MB": " "}) == 32.0
+    assert resolve_payload_mb({"SAFESTRATEGY_PAYLOAD_MB": " 0.5 "}) == 0.5
+
+
+@pytest.mark.parametrize(
+    "flags, on",
+    [
+        ("--tf_xla_auto_jit=2", True),
+        ("--tf_xla_cpu_global_jit --tf_xla_auto_jit=1", True),
+        ("--tf_xla_auto_jit=-1", False),
+        ("--tf_xla_auto_jit=0", False),
+        ("", False),
+        ("--tf_xla_auto_jit=fusible", True),
+    ],
+)
+def test_xla_auto_clustering_is_read_from_tf_xla_flags(flags, on):
+    assert xla_auto_jit_flag({"TF_XLA_FLAGS": flags}) is on

@@ -18,6 +18,7 @@ import pytest
 
 import safestrategy
 from safestrategy import _probe
+from safestrategy._devices import parse_devices
 
 from .conftest import FAKE_WORKER, ROOT, needs_tf, run_python
 
@@ -106,6 +107,7 @@ import os, sys
 sys.path.insert(0, os.path.join({vendor!r}))
 import safestrategy
 from safestrategy import _probe
+from safestrategy._devices import parse_devices
 process, facts = _probe.start({{"job": "mirrored", "devices": ["/cpu:0", "/cpu:1"]}}, 300)
 with process:
     result = _probe.check(process, "reduce_to_cpu", 2, 300)
@@ -164,3 +166,20 @@ def test_output_in_another_codec_cannot_stall_the_probe(fake, windows):
 )
 def test_crash_statuses_are_named(returncode, text):
     assert text in _probe._exit_text(returncode)
+
+
+def test_collective_on_gpus_is_checked_and_timed_in_the_probe_process(fake, tmp_path):
+    """On physical GPUs collective requests NCCL: like nccl, it may hang, so it never runs
+    here; its verdict is cached under its own name."""
+    from safestrategy import _collective, _tf
+
+    fake("ok")
+    if _collective.live(_tf.import_tf(), parse_devices(GPUS)).implementation is None:
+        pytest.skip("TF < 2.13: collective is not MirroredStrategy's default")
+    fake.monkeypatch.setenv("FAKE_WORKER_MS", "nccl=5,collective=1")
+    report = safestrategy.probe(GPUS)
+    collective = report.candidates[0]
+    assert (report.backend, collective.status, collective.ms) == ("collective", "ok", 1.0)
+    assert collective.reason.endswith("(NCCL requested)")
+    assert report.reason.startswith("fastest: 1.0 ms; nccl 5.0 ms")
+    assert list((tmp_path / "cache").glob("collective-*.json"))

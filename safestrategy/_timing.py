@@ -1,0 +1,168 @@
+"""How fast a candidate all-reduces: the payload ``auto`` races candidates on.
+
+A payload shaped like one Keras step's gradients (:data:`TENSORS` float32
+tensors of mixed sizes, ``payload_mb`` in all) is all-reduced in one batch the
+way Keras does it: ``ReplicaContext.all_reduce(SUM, list)`` inside a
+``tf.function`` in TF2, and ``merge_call`` into ``batch_reduce_to`` run in a
+session in graph mode. Every replica's tensors are made once on its own
+device beforehand, so a run times the all-reduce alone. :data:`WARMUP` runs
+(tracing, first allocation) are not timed; the median of :data:`RUNS` is.
+
+It runs only for candidates that passed their smoke check, in a fresh thread
+(outside any strategy scope of the caller's), or in the probe process for a
+candidate that may hang (NCCL): see :func:`in_probe_process`.
+"""
+
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ._allreduce import in_fresh_thread
+from .backends import build_cross_device_ops, build_strategy
+
+TENSORS = 20
+WARMUP = 1
+RUNS = 5
+
+
+def payload_sizes(megabytes: float) -> List[int]:
+    """Element counts of the :data:`TENSORS` float32 tensors: mixed sizes (shares 1, 2,
+    ..., 20, like a model's small biases and large kernels), ``megabytes`` MiB in all."""
+    total = max(int(megabytes * 2**20 / 4), TENSORS)
+    shares = range(1, TENSORS + 1)
+    sizes = [max(total * share // sum(shares), 1) for share in shares]
+    sizes[-1] += total - sum(sizes)
+    return sizes
+
+
+def _replica_index(tf: Any, context: Any) -> int:
+    """This replica's index as a Python int (TF2 gives a constant tensor, TF 1.12 ``tower_id``)."""
+    value = getattr(context, "replica_id_in_sync_group", None)
+    if value is None:
+        value = context.tower_id
+    if isinstance(value, int):
+        return value
+    from tensorflow.python.framework import tensor_util
+
+    return int(tensor_util.constant_value(value))
+
+
+def _median_ms(run: Callable[[], Any]) -> float:
+    for _ in range(WARMUP):
+        run()
+    times = []
+    for _ in range(RUNS):
+        started = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - started) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def _eager(tf: Any, strategy: Any, devices: Sequence[str], sizes: Sequence[int]) -> float:
+    inputs = []
+    for device in devices:
+        with tf.device(device):
+            inputs.append([tf.fill([size], 1.0) for size in sizes])
+
+    def replica_fn() -> Any:
+        context = tf.distribute.get_replica_context()
+        mine = inputs[_replica_index(tf, context)]
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+    run = getattr(strategy, "run", None) or strategy.experimental_run_v2
+    step = tf.function(lambda: run(replica_fn), autograph=False)
+    return _median_ms(step)
+
+
+def _graph(
+    tf: Any, era: str, strategy: Any, devices: Sequence[str], sizes: Sequence[int], config: Any
+) -> float:
+    contrib = era == "contrib-tower"
+    inputs = []
+    for device in devices:
+        with tf.device(device):
+            inputs.append([tf.Variable(tf.ones([size]), trainable=False) for size in sizes])
+
+    def merge_fn(distribution: Any, *values: Any) -> Any:
+        pairs = [(value, value) for value in values]
+        if contrib:
+            return distribution.batch_reduce(tf.VariableAggregation.SUM, pairs)
+        return distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
+
+    def replica_fn() -> Any:
+        if contrib:
+            context = tf.contrib.distribute.get_tower_context()
+        else:
+            context = tf.distribute.get_replica_context()
+        mine = [tf.identity(v) for v in inputs[_replica_index(tf, context)]]
+        if contrib:
+            return context.merge_call(merge_fn, *mine)
+        return context.merge_call(merge_fn, args=tuple(mine))
+
+    with strategy.scope():
+        if contrib:
+            result = strategy.call_for_each_tower(replica_fn)
+        else:
+            result = strategy.extended.call_for_each_replica(replica_fn)
+        unwrap = getattr(strategy, "experimental_local_results", None) or strategy.unwrap
+        step = tf.group(*[tensor for reduced in result for tensor in unwrap(reduced)])
+    session = tf.Session if hasattr(tf, "Session") else tf.compat.v1.Session  # TF2: graph mode
+    initialize = getattr(tf, "global_variables_initializer", None)
+    initialize = initialize or tf.compat.v1.global_variables_initializer
+    with session(config=config) as running:
+        running.run(initialize())
+        return _median_ms(lambda: running.run(step))
+
+
+def median_ms(
+    tf: Any,
+    era: str,
+    devices: Sequence[str],
+    name: str,
+    payload_mb: float,
+    config: Any = None,
+    timeout: Optional[float] = None,
+) -> float:
+    """Median milliseconds of backend ``name``'s batch all-reduce of the payload over
+    ``devices``, here. ``config``: the session config in graph mode (None: TF2 eager);
+    ``timeout`` bounds a ``collective`` backend's ops."""
+    sizes = payload_sizes(payload_mb)
+
+    def timed() -> float:
+        if config is None:
+            ops = build_cross_device_ops(tf, era, name, devices, timeout)
+            return _eager(tf, build_strategy(tf, era, devices, ops), devices, sizes)
+        with tf.Graph().as_default():
+            ops = build_cross_device_ops(tf, era, name, devices, timeout)
+            strategy = build_strategy(tf, era, devices, ops)
+            return _graph(tf, era, strategy, devices, sizes, config)
+
+    return in_fresh_thread(timed)
+
+
+def in_probe_process(process: Any, name: str, payload_mb: float, timeout: float) -> Optional[float]:
+    """Time ``name`` in a started probe process (for what may hang); None when it failed."""
+    from ._probe import ProbeDied, ProbeTimeout
+
+    try:
+        reply = process.ask({"time": name, "payload_mb": payload_mb}, timeout)
+    except (ProbeTimeout, ProbeDied):
+        return None
+    ms = reply.get("ms")
+    return float(ms) if isinstance(ms, (int, float)) else None
+
+
+def cache_key(tf: Any, devices: Sequence[Any], mode: str, payload_mb: float) -> Dict[str, Any]:
+    """What a timing depends on: the machine, TensorFlow and its build, the devices, the
+    execution mode and the payload (not the probe timeout)."""
+    from . import _machine, _tf
+
+    return {
+        "machine": _machine.identity(),
+        "tf": tf.__version__,
+        "build": _tf.build_info(tf),
+        "gpus": _tf.gpu_names(tf),
+        "devices": [str(device) for device in devices],
+        "mode": mode,
+        "payload_mb": payload_mb,
+    }

@@ -1,0 +1,96 @@
+"""auto's race: the payload, timing on real TensorFlow (TF2 eager, TF 1.x session), cached."""
+
+import pytest
+
+import safestrategy
+from safestrategy import _timing, factory
+
+from .conftest import cpus
+
+
+def test_the_payload_is_twenty_mixed_tensors_of_the_given_size():
+    sizes = _timing.payload_sizes(32)
+    assert len(sizes) == 20 and sum(sizes) * 4 == 32 * 2**20
+    assert sizes[0] < sizes[10] < sizes[-1]
+
+
+def test_a_batch_all_reduce_is_timed_here(tf):
+    from safestrategy._allreduce import graph_api, session_config
+    from safestrategy._tf import era
+
+    graph = graph_api(tf)
+    config = None if graph is None else session_config(graph, 3, gpus=False)
+    ms = _timing.median_ms(tf, era(tf.__version__), cpus(3), "reduce_to_cpu", 1.0, config)
+    assert 0 < ms < 60_000
+
+
+def test_auto_in_a_tf1_session_races_the_candidates_that_pass(tf1):
+    report = safestrategy.probe(cpus(2))
+    timed = {c.name: c.ms for c in report.candidates if c.ms is not None}
+    assert set(timed) == {"hierarchical_copy", "reduce_to_cpu"}
+    assert report.candidates[0].status == "skipped"  # collective: not TF 1.x's default
+    assert "MirroredStrategy default is" in report.candidates[0].reason
+
+
+def refuse_timing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("nothing may be timed here")
+
+    monkeypatch.setattr(_timing, "median_ms", refuse)
+
+
+def test_a_warm_launch_checks_only_the_cached_winner_and_times_nothing(tf2, monkeypatch):
+    first = safestrategy.probe(cpus(2))
+    assert not any(c.cached for c in first.candidates)
+    factory._decisions.clear()  # a new process: only the disk remembers
+    refuse_timing(monkeypatch)
+    checked = []
+    real = factory._Checks.__call__
+    monkeypatch.setattr(
+        factory._Checks, "__call__", lambda self, name: checked.append(name) or real(self, name)
+    )
+    warm = safestrategy.probe(cpus(2))
+    assert checked == [first.backend]
+    assert (warm.backend, warm.reason) == (first.backend, first.reason)
+    assert [c.ms for c in warm.candidates] == [c.ms for c in first.candidates]
+    assert {c.name for c in warm.candidates if c.cached} == {
+        c.name for c in first.candidates if c.name != first.backend
+    }
+
+
+def test_a_cached_winner_that_fails_now_drops_the_timings_and_chooses_again(tf2, monkeypatch):
+    first = safestrategy.probe(cpus(2))
+    factory._decisions.clear()
+    real = factory._Checks.__call__
+
+    def winner_breaks(self, name):
+        result = real(self, name)
+        return (
+            result._replace(status="failed", reason="broken now")
+            if name == first.backend
+            else result
+        )
+
+    monkeypatch.setattr(factory._Checks, "__call__", winner_breaks)
+    again = safestrategy.probe(cpus(2))
+    assert again.backend != first.backend
+    assert not any(c.cached for c in again.candidates)
+
+
+@pytest.mark.parametrize("switch", ["cache", "refresh"])
+def test_cache_off_and_refresh_time_again(tf2, monkeypatch, switch):
+    safestrategy.probe(cpus(2))
+    factory._decisions.clear()
+    if switch == "cache":
+        monkeypatch.setenv("SAFESTRATEGY_CACHE", "off")
+    timed = []
+    real = _timing.median_ms
+    monkeypatch.setattr(_timing, "median_ms", lambda *a, **k: timed.append(a[3]) or real(*a, **k))
+    report, fresh = factory.decide(cpus(2), refresh=switch == "refresh")
+    assert fresh and len(timed) >= 2 and not any(c.cached for c in report.candidates)
+
+
+def test_a_list_times_nothing(tf2, monkeypatch):
+    refuse_timing(monkeypatch)
+    report = safestrategy.probe(cpus(2), backend="hierarchical_copy,reduce_to_cpu")
+    assert report.backend == "hierarchical_copy" and report.payload_mb is None
