@@ -56,7 +56,7 @@ def _median_ms(run: Callable[[], Any], runs: int) -> float:
         started = time.perf_counter()
         run()
         times.append((time.perf_counter() - started) * 1000)
-    return round(statistics.median(times), 2)
+    return round(statistics.median(times), 3)  # to the microsecond
 
 
 def _eager(
