@@ -1,4 +1,4 @@
-"""Each backend's all-reduce time on auto's payload, side by side in one process, the chosen one marked.
+"""Each backend's all-reduce time on the payload, side by side in one process; auto's choice marked.
 
     PYTHONPATH=. python benchmarks/allreduce.py [--cpus 2 3] [--rounds 9] [--processes 1]
         [--payload-mb 32] [--json FILE]
