@@ -55,14 +55,17 @@ def _configure(tf: Any, cpus: int) -> Any:
 
 def _stock_ops_name(tf: Any, devices: Sequence[str], config: Any) -> str:
     """The class TF's MirroredStrategy(devices) all-reduces with, where TF says so."""
+    from safestrategy import _tf
     from safestrategy.backends import build_strategy
 
     if not tf.__version__.startswith("2."):
         from tensorflow.python.distribute import cross_device_ops
 
-        chosen = cross_device_ops.select_cross_device_ops(devices, session_config=config)
-        return f"select_cross_device_ops: {type(chosen).__name__}"
-    strategy = build_strategy(tf, "tf2", list(devices))
+        select = getattr(cross_device_ops, "select_cross_device_ops", None)
+        select = select or cross_device_ops.choose_the_best  # its TF 1.x name
+        chosen = select(devices, session_config=config)
+        return f"{select.__name__}: {type(chosen).__name__}"
+    strategy = build_strategy(tf, _tf.era(tf.__version__), list(devices))
     ops = getattr(strategy.extended, "_cross_device_ops", None)
     return type(ops).__name__ if ops is not None else "unknown"
 
