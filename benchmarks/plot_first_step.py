@@ -1,4 +1,4 @@
-"""Plot first_step.py's JSON files as ratios to the hand-made strategy: one panel per TF.
+"""Plot first_step.py's JSON files as ratios to each scenario's baseline: one panel per TF.
 
     pip install 'safestrategy[bench]'     # or just: pip install matplotlib
     python benchmarks/plot_first_step.py benchmarks/results/*.json -o docs/first_step.png
@@ -22,7 +22,7 @@ def bars(record: Dict[str, Any]) -> List[Dict[str, Any]]:
     rows = []
     for scenario in record["scenarios"]:
         base = quantile(seconds[scenario["baseline"]], 0.5)
-        for name in scenario["candidates"]:
+        for name, target in zip(scenario["candidates"], scenario["targets"]):
             times = seconds[name]
             rows.append(
                 {
@@ -30,7 +30,7 @@ def bars(record: Dict[str, Any]) -> List[Dict[str, Any]]:
                     "ratio": quantile(times, 0.5) / base,
                     "low": quantile(times, 0.25) / base,
                     "high": quantile(times, 0.75) / base,
-                    "target": scenario["target"] if name == scenario["candidates"][-1] else None,
+                    "target": target,
                 }
             )
     return rows
@@ -68,9 +68,9 @@ def plot(records: Sequence[Dict[str, Any]], out: str) -> None:
         axis.set_title(
             f"TF {record['tf']} (Python {record['python']}), median of {record['repeat']}"
         )
-        axis.set_xlabel("time to first trained step / hand-made strategy")
+        axis.set_xlabel("time to first trained step / baseline")
     figure.suptitle(
-        "make_mirrored_strategy() vs the same backend by hand:\n"
+        "make_mirrored_strategy() vs stock or the same backend by hand:\n"
         "fresh-process time to the first trained Keras step (dashed: target)"
     )
     figure.tight_layout()

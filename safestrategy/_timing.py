@@ -13,6 +13,7 @@ It runs only for candidates that passed their smoke check, in a fresh thread
 candidate that may hang (NCCL): see :func:`in_probe_process`.
 """
 
+import functools
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -47,41 +48,48 @@ def _replica_index(tf: Any, context: Any) -> int:
     return int(tensor_util.constant_value(value))
 
 
-def _median_ms(run: Callable[[], Any]) -> float:
+def _median_ms(run: Callable[[], Any], runs: int) -> float:
     for _ in range(WARMUP):
         run()
     times = []
-    for _ in range(RUNS):
+    for _ in range(runs):
         started = time.perf_counter()
         run()
         times.append((time.perf_counter() - started) * 1000)
-    return round(statistics.median(times), 2)
+    return round(statistics.median(times), 3)  # to the microsecond
 
 
-def _eager(tf: Any, strategy: Any, devices: Sequence[str], sizes: Sequence[int]) -> float:
-    inputs = []
-    for device in devices:
-        with tf.device(device):
-            inputs.append([tf.fill([size], 1.0) for size in sizes])
-
-    def replica_fn() -> Any:
-        context = tf.distribute.get_replica_context()
-        mine = inputs[_replica_index(tf, context)]
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
-
+def _eager(
+    tf: Any, strategy: Any, devices: Sequence[str], batches: Sequence[Sequence[int]], runs: int
+) -> List[float]:
     run = getattr(strategy, "run", None) or strategy.experimental_run_v2
-    step = tf.function(lambda: run(replica_fn), autograph=False)
-    return _median_ms(step)
+    times = []
+    for sizes in batches:  # one batch's tensors at a time: only they take memory
+        inputs = []
+        for device in devices:
+            with tf.device(device):
+                inputs.append([tf.fill([size], 1.0) for size in sizes])
+
+        def replica_fn(inputs: List[Any] = inputs) -> Any:
+            context = tf.distribute.get_replica_context()
+            mine = inputs[_replica_index(tf, context)]
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+        step = tf.function(lambda: run(replica_fn), autograph=False)
+        times.append(_median_ms(step, runs))
+    return times
 
 
 def _graph(
-    tf: Any, era: str, strategy: Any, devices: Sequence[str], sizes: Sequence[int], config: Any
-) -> float:
+    tf: Any,
+    era: str,
+    strategy: Any,
+    devices: Sequence[str],
+    batches: Sequence[Sequence[int]],
+    config: Any,
+    runs: int,
+) -> List[float]:
     contrib = era == "contrib-tower"
-    inputs = []
-    for device in devices:
-        with tf.device(device):
-            inputs.append([tf.Variable(tf.ones([size]), trainable=False) for size in sizes])
 
     def merge_fn(distribution: Any, *values: Any) -> Any:
         pairs = [(value, value) for value in values]
@@ -89,29 +97,64 @@ def _graph(
             return distribution.batch_reduce(tf.VariableAggregation.SUM, pairs)
         return distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
 
-    def replica_fn() -> Any:
-        if contrib:
-            context = tf.contrib.distribute.get_tower_context()
-        else:
-            context = tf.distribute.get_replica_context()
-        mine = [tf.identity(v) for v in inputs[_replica_index(tf, context)]]
-        if contrib:
-            return context.merge_call(merge_fn, *mine)
-        return context.merge_call(merge_fn, args=tuple(mine))
+    def step(sizes: Sequence[int]) -> Any:
+        inputs = []
+        for device in devices:
+            with tf.device(device):
+                inputs.append([tf.Variable(tf.ones([size]), trainable=False) for size in sizes])
 
-    with strategy.scope():
-        if contrib:
-            result = strategy.call_for_each_tower(replica_fn)
-        else:
-            result = strategy.extended.call_for_each_replica(replica_fn)
-        unwrap = getattr(strategy, "experimental_local_results", None) or strategy.unwrap
-        step = tf.group(*[tensor for reduced in result for tensor in unwrap(reduced)])
+        def replica_fn() -> Any:
+            if contrib:
+                context = tf.contrib.distribute.get_tower_context()
+            else:
+                context = tf.distribute.get_replica_context()
+            mine = [tf.identity(v) for v in inputs[_replica_index(tf, context)]]
+            if contrib:
+                return context.merge_call(merge_fn, *mine)
+            return context.merge_call(merge_fn, args=tuple(mine))
+
+        with strategy.scope():
+            if contrib:
+                result = strategy.call_for_each_tower(replica_fn)
+            else:
+                result = strategy.extended.call_for_each_replica(replica_fn)
+            unwrap = getattr(strategy, "experimental_local_results", None) or strategy.unwrap
+            return tf.group(*[tensor for reduced in result for tensor in unwrap(reduced)])
+
+    steps = [step(sizes) for sizes in batches]
     session = tf.Session if hasattr(tf, "Session") else tf.compat.v1.Session  # TF2: graph mode
     initialize = getattr(tf, "global_variables_initializer", None)
     initialize = initialize or tf.compat.v1.global_variables_initializer
     with session(config=config) as running:
         running.run(initialize())
-        return _median_ms(lambda: running.run(step))
+        return [_median_ms(functools.partial(running.run, each), runs) for each in steps]
+
+
+def batches_ms(
+    tf: Any,
+    era: str,
+    devices: Sequence[str],
+    name: str,
+    batches: Sequence[Sequence[int]],
+    config: Any = None,
+    timeout: Optional[float] = None,
+    runs: int = RUNS,
+) -> List[float]:
+    """Median milliseconds (of ``runs``) of backend ``name``'s all-reduce of each batch
+    of float32 tensors (element counts) in ``batches``, over ``devices``, here, on one
+    strategy. ``config``: the session config in graph mode (None: TF2 eager);
+    ``timeout`` bounds a ``collective`` backend's ops."""
+
+    def timed() -> List[float]:
+        if config is None:
+            ops = build_cross_device_ops(tf, era, name, devices, timeout)
+            return _eager(tf, build_strategy(tf, era, devices, ops), devices, batches, runs)
+        with tf.Graph().as_default():
+            ops = build_cross_device_ops(tf, era, name, devices, timeout)
+            strategy = build_strategy(tf, era, devices, ops)
+            return _graph(tf, era, strategy, devices, batches, config, runs)
+
+    return in_fresh_thread(timed)
 
 
 def median_ms(
@@ -124,20 +167,9 @@ def median_ms(
     timeout: Optional[float] = None,
 ) -> float:
     """Median milliseconds of backend ``name``'s batch all-reduce of the payload over
-    ``devices``, here. ``config``: the session config in graph mode (None: TF2 eager);
-    ``timeout`` bounds a ``collective`` backend's ops."""
-    sizes = payload_sizes(payload_mb)
-
-    def timed() -> float:
-        if config is None:
-            ops = build_cross_device_ops(tf, era, name, devices, timeout)
-            return _eager(tf, build_strategy(tf, era, devices, ops), devices, sizes)
-        with tf.Graph().as_default():
-            ops = build_cross_device_ops(tf, era, name, devices, timeout)
-            strategy = build_strategy(tf, era, devices, ops)
-            return _graph(tf, era, strategy, devices, sizes, config)
-
-    return in_fresh_thread(timed)
+    ``devices``, here (see :func:`batches_ms`)."""
+    batch = payload_sizes(payload_mb)
+    return batches_ms(tf, era, devices, name, [batch], config, timeout)[0]
 
 
 def in_probe_process(process: Any, name: str, payload_mb: float, timeout: float) -> Optional[float]:

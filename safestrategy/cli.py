@@ -1,18 +1,25 @@
 """The command line: the probe report for this machine, as text or JSON.
 
 With ``TF_CONFIG`` set it shows the multi-worker view (:mod:`safestrategy._mw_cli`).
+``--benchmark`` then times every backend that passed over a range of sizes
+(:mod:`safestrategy._benchmark`), ``--plot FILE.png`` draws it. Text output shows
+progress as it goes: each candidate's result as it comes, and the elapsed time
+while a check (NCCL's probe process) or a timing runs long.
 
 Exit status: 0 a working backend was found, 1 none was (or TensorFlow is
-missing), 2 bad arguments or bad ``SAFESTRATEGY_*`` values.
+missing), 2 bad arguments or bad ``SAFESTRATEGY_*`` values (``--plot`` without
+matplotlib too: it is found out before anything runs, like a bad argument).
 """
 
 import argparse
 import contextlib
 import os
 import sys
-from typing import List, Optional, Sequence
+import threading
+import time
+from typing import Any, Iterator, List, Optional, Sequence
 
-from . import _tf
+from . import _benchmark, _tf
 from ._cluster import ENV_TF_CONFIG
 from ._devices import Device, parse_devices
 from ._env import (
@@ -22,10 +29,14 @@ from ._env import (
     ENV_CACHE_DIR,
     ENV_NCCL_REMEDIES,
     ENV_TIMEOUT,
+    resolve_timeout,
 )
 from .backends import BACKENDS
 from .factory import NoWorkingBackendError, decide
-from .report import CandidateResult
+from .report import OK, CandidateResult, Report
+
+#: Seconds without output after which the text view says how long it has been working.
+PROGRESS_EVERY = 5.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +66,72 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--no-cache", action="store_true", help="neither read nor write cached NCCL verdicts"
     )
+    parser.add_argument(
+        "--benchmark",
+        action="store_true",
+        help="then time every backend that passed: all-reduce time and bus bandwidth "
+        "from 4 KiB to 64 MiB, as nccl-tests prints them",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help=f"--benchmark, and draw bus bandwidth by size to FILE.png "
+        f"(needs matplotlib: {_benchmark.PLOT_INSTALL})",
+    )
     return parser
+
+
+@contextlib.contextmanager
+def _elapsed(show: bool = True) -> Iterator["threading.Event"]:
+    """While the block runs, print the elapsed time after every :data:`PROGRESS_EVERY`
+    seconds without other output (``show``: else print nothing). Set the yielded event
+    whenever something is printed."""
+    printed, done = threading.Event(), threading.Event()
+    if not show:
+        yield printed
+        return
+    started = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(PROGRESS_EVERY):
+            if printed.is_set():
+                printed.clear()
+            else:
+                print(f"  ... {time.monotonic() - started:.0f} s elapsed", flush=True)
+
+    thread = threading.Thread(target=tick, name="safestrategy-progress", daemon=True)
+    thread.start()
+    try:
+        yield printed
+    finally:
+        done.set()
+        thread.join()
+
+
+def _benchmark_and_plot(tf: Any, report: Report, args: argparse.Namespace) -> None:
+    """Time every backend that passed over the sizes, print the tables, draw the plot."""
+    replicas = len(report.devices)
+    if not any(candidate.status == OK for candidate in report.candidates):
+        print(f"\nnothing to benchmark: {report.reason}")
+        return
+    print(
+        f"\n# all-reduce (sum, float32) on {replicas} devices: {', '.join(report.devices)}"
+        f"\n# median of {_benchmark.RUNS} runs after a warm-up; busbw = algbw * 2(n-1)/n",
+        flush=True,
+    )
+    with _elapsed() as printed:
+
+        def before(name: str) -> None:
+            print(f"# timing {name} ...", flush=True)
+            printed.set()
+
+        sweeps = []
+        for sweep in _benchmark.measure(tf, report, resolve_timeout(args.timeout), before):
+            print(_benchmark.table(sweep, replicas), flush=True)
+            sweeps.append(sweep)
+    if args.plot:
+        _benchmark.plot(sweeps, report, args.plot)
+        print(f"# plot written to {args.plot}")
 
 
 def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
@@ -71,29 +147,42 @@ def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    benchmark = args.benchmark or bool(args.plot)
+    if benchmark and args.json:
+        parser.error("--json prints the report only: leave out --benchmark and --plot")
+    if args.plot and not _benchmark.can_plot():
+        print(
+            f"safestrategy: error: --plot needs matplotlib: {_benchmark.PLOT_INSTALL}",
+            file=sys.stderr,
+        )
+        return 2
     if os.environ.get(ENV_TF_CONFIG, "").strip():  # TensorFlow's own variable: multi-worker
         from . import _mw_cli
 
         return _mw_cli.main(args)
-
-    def progress(result: CandidateResult) -> None:
-        print(result.line(), flush=True)
 
     def starting() -> None:  # every input is valid: nothing printed before a usage error
         print("checking all-reduce backends...", flush=True)
 
     try:
         _split_cpu(parse_devices(args.devices) if args.devices else None)
-        report = decide(
-            args.devices,
-            backend=args.backend,
-            timeout=args.timeout,
-            cache=False if args.no_cache else None,
-            refresh=args.refresh,
-            on_result=None if args.json else progress,
-            on_start=None if args.json else starting,
-        )[0]
+        with _elapsed(show=not args.json) as printed:
+
+            def progress(result: CandidateResult) -> None:
+                print(result.line(), flush=True)
+                printed.set()
+
+            report = decide(
+                args.devices,
+                backend=args.backend,
+                timeout=args.timeout,
+                cache=False if args.no_cache else None,
+                refresh=args.refresh,
+                on_result=None if args.json else progress,
+                on_start=None if args.json else starting,
+            )[0]
         status = 0
     except ValueError as error:
         print(f"safestrategy: error: {error}", file=sys.stderr)
@@ -106,4 +195,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"safestrategy: {error}", file=sys.stderr)
         return 1
     print(report.to_json() if args.json else f"\n{report}")
+    if benchmark and status == 0:
+        _benchmark_and_plot(_tf.import_tf(), report, args)
     return status

@@ -1,0 +1,153 @@
+"""``python -m safestrategy --benchmark``: each passing backend's all-reduce over a range of sizes.
+
+The table nccl-tests users know from ``all_reduce_perf``: for each size (bytes per
+replica, :data:`SIZES`: 4 KiB to 64 MiB by 4x) one float32 tensor per replica is
+all-reduced (sum) with the backend's own cross-device ops, the way
+:mod:`safestrategy._timing` times ``auto``'s payload (one strategy per backend, a
+warm-up, then the median of :data:`RUNS`). ``algbw`` is bytes / time; ``busbw`` is
+``algbw * 2(n-1)/n`` for n devices, nccl-tests' all-reduce factor, which makes the
+figure comparable across device counts (a ring moves ``2(n-1)/n`` of the data per link).
+GB/s are 10^9 bytes per second, as nccl-tests prints them.
+
+Only backends whose smoke check passed are timed, in this process (the CLI's own).
+matplotlib (the ``bench`` extra) draws the plot and is imported only for it.
+"""
+
+import importlib.util
+import os
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
+
+from . import _nccl, _tf, _timing
+from ._allreduce import graph_api, session_config
+from ._devices import parse_devices
+from .report import OK, Report
+
+#: Bytes per replica: 4 KiB, 16 KiB, ..., 64 MiB.
+SIZES = tuple(4096 * 4**power for power in range(8))
+#: Timed runs per size, after :data:`safestrategy._timing.WARMUP` untimed.
+RUNS = 5
+PLOT_INSTALL = "pip install 'safestrategy[bench]'  (or: pip install matplotlib)"
+
+
+class Row(NamedTuple):
+    """One size of one backend's sweep."""
+
+    size: int  #: bytes per replica
+    ms: float  #: median milliseconds of the all-reduce
+
+    @property
+    def count(self) -> int:
+        """float32 elements per replica."""
+        return self.size // 4
+
+    @property
+    def algbw(self) -> float:
+        """GB/s: bytes per replica over time."""
+        return self.size / (self.ms / 1000) / 1e9 if self.ms > 0 else 0.0
+
+    def busbw(self, replicas: int) -> float:
+        """GB/s: ``algbw * 2(n-1)/n``, nccl-tests' all-reduce bus bandwidth."""
+        return self.algbw * 2 * (replicas - 1) / replicas
+
+
+class Sweep(NamedTuple):
+    """One backend's rows, and whether it is the one the report chose."""
+
+    backend: str
+    chosen: bool
+    rows: List[Row]
+
+
+def can_plot() -> bool:
+    """Whether matplotlib is installed (looked up, not imported: that takes a second)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def measure(
+    tf: Any,
+    report: Report,
+    timeout: Optional[float],
+    before: Optional[Callable[[str], None]] = None,
+) -> Iterator[Sweep]:
+    """Every passing backend's sweep over :data:`SIZES` on the report's devices, here,
+    each as soon as it is measured.
+
+    ``before(name)`` is called as each backend starts (progress); an NCCL remedy the
+    backend needed is set first, as the factory would.
+    """
+    devices = list(report.devices)
+    parsed = parse_devices(devices)
+    graph = graph_api(tf)
+    config = None
+    if graph is not None:  # TF 1.x: a session with the devices the report names
+        cpus = max([d.index + 1 for d in parsed if d.kind == "CPU"] or [1])
+        config = session_config(graph, cpus, gpus=any(d.kind == "GPU" for d in parsed))
+    era = _tf.era(tf.__version__)
+    for candidate in (c for c in report.candidates if c.status == OK):
+        if before is not None:
+            before(candidate.name)
+        _nccl.apply_remedy(candidate.remedy, devices)
+        batches = [[size // 4] for size in SIZES]
+        times = _timing.batches_ms(tf, era, devices, candidate.name, batches, config, timeout, RUNS)
+        rows = [Row(size, ms) for size, ms in zip(SIZES, times)]
+        yield Sweep(candidate.name, candidate.name == report.backend, rows)
+
+
+def table(sweep: Sweep, replicas: int) -> str:
+    """One backend's rows as nccl-tests prints them (out-of-place columns only)."""
+    lines = [
+        f"# {sweep.backend}{'  (chosen)' if sweep.chosen else ''}",
+        f"# {'size':>10} {'count':>13} {'type':>9} {'redop':>7} {'time':>10} {'algbw':>7}"
+        f" {'busbw':>7}",
+        f"# {'(B)':>10} {'(elements)':>13} {'':>9} {'':>7} {'(us)':>10} {'(GB/s)':>7}"
+        f" {'(GB/s)':>7}",
+    ]
+    for row in sweep.rows:
+        lines.append(
+            f"  {row.size:>10} {row.count:>13} {'float':>9} {'sum':>7} {row.ms * 1000:>10.1f}"
+            f" {row.algbw:>7.2f} {row.busbw(replicas):>7.2f}"
+        )
+    average = sum(row.busbw(replicas) for row in sweep.rows) / max(len(sweep.rows), 1)
+    lines.append(f"# Avg bus bandwidth    : {average:.3f}")
+    return "\n".join(lines)
+
+
+def _human(size: int) -> str:
+    """4096 -> "4K", 67108864 -> "64M" (binary units, as nccl-tests' -b/-e take them)."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size >= scale:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
+def plot(sweeps: Sequence[Sweep], report: Report, path: str) -> None:
+    """Bus bandwidth against size, one line per backend (the chosen one thick), to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, no window: works without a display
+    import matplotlib.pyplot as plt
+
+    replicas = len(report.devices)
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for sweep in sweeps:
+        axis.plot(
+            [row.size for row in sweep.rows],
+            [row.busbw(replicas) for row in sweep.rows],
+            marker="o",
+            linewidth=3 if sweep.chosen else 1.5,
+            label=sweep.backend + (" (chosen)" if sweep.chosen else ""),
+        )
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(SIZES)
+    axis.set_xticklabels([_human(size) for size in SIZES])
+    axis.set_xlabel("bytes per replica")
+    axis.set_ylabel("bus bandwidth (GB/s)")
+    axis.set_title(
+        f"all-reduce (sum, float32), {replicas} devices, TF {report.tf_version}\n"
+        f"{', '.join(report.devices)}; median of {RUNS} runs after a warm-up"
+    )
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(os.fspath(path), dpi=100)
+    plt.close(figure)
