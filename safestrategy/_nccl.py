@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import _cache, _env, _machine, _probe, _tf, choose
+from . import _cache, _env, _machine, _probe, _tf
 from ._devices import Device, parse_device
 from .report import FAILED, OK, TIMEOUT, CandidateResult
 
@@ -234,35 +234,40 @@ def verdict(tf: Any, devices: Sequence[Device], opts: Options, name: str = NCCL)
     return attempt.result
 
 
-def recheck_command(devices: Sequence[Any], timeout: float) -> str:
-    """The command that checks NCCL again on ``devices`` with ``timeout`` and rewrites the
-    cached verdict these give (``--refresh``); ``--backend nccl`` only where the command
-    line's default setting would not check NCCL first (no GPU among the devices, or
-    ``SAFESTRATEGY_BACKEND`` putting another first).
+def refresh_command(
+    devices: Sequence[Any], timeout: Optional[float] = None, backend: Optional[str] = None
+) -> str:
+    """The command line that checks ``devices`` again, ignoring and rewriting what is
+    cached for them (``--refresh``: verdicts, timings, stall records), with ``timeout``
+    and ``--backend`` where given.
 
-    The interpreter is this one (the cache key holds it): ``python`` where that is what
+    The interpreter is this one (a verdict's key holds it): ``python`` where that is what
     ``PATH`` runs, else its full path.
     """
     parsed = [parse_device(str(device)) for device in devices]
     python = "python" if shutil.which("python") == sys.executable else sys.executable
     args = [python, "-m", "safestrategy", "--devices"]
     args += [f"/{device.kind.lower()}:{device.index}" for device in parsed]
-    args += ["--timeout", str(int(timeout)) if float(timeout).is_integer() else repr(timeout)]
-    try:
-        first = choose.plan(_env.resolve_backend(None), parsed)[0]
-    except ValueError:
-        first = None
-    if first != choose.Planned(NCCL):
-        args += ["--backend", NCCL]
+    if timeout is not None:
+        args += ["--timeout", str(int(timeout)) if float(timeout).is_integer() else repr(timeout)]
+    if backend is not None:
+        args += ["--backend", backend]
     args.append("--refresh")
     if os.name == "nt":
         return subprocess.list2cmdline(args)
     return " ".join(shlex.quote(arg) for arg in args)
 
 
-def cached_note(devices: Sequence[Any], timeout: float) -> str:
+def recheck_command(devices: Sequence[Any], timeout: float, name: str = NCCL) -> str:
+    """The command that checks backend ``name`` again on ``devices`` and rewrites the cached
+    verdict these give: the verdict's own key (devices, timeout), and ``--backend`` so that
+    nothing else is checked or timed on the way."""
+    return refresh_command(devices, timeout, name)
+
+
+def cached_note(devices: Sequence[Any], timeout: float, name: str = NCCL) -> str:
     """What a message resting on a cached verdict adds: where it came from, how to re-check."""
-    command = recheck_command(devices, timeout)
+    command = recheck_command(devices, timeout, name)
     return f"a verdict cached from an earlier run: `{command}` checks it again"
 
 

@@ -42,7 +42,7 @@ def directory(cache: bool = True) -> Optional[str]:
 
 def refresh_command(devices: Sequence[str]) -> str:
     """The exact command that forgets the stalls recorded for ``devices``."""
-    return f"python -m safestrategy --devices {' '.join(devices)} --refresh"
+    return _nccl.refresh_command(devices)
 
 
 def record(tf: Any, report: Report, seconds: float) -> None:

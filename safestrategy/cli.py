@@ -82,9 +82,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _elapsed(show: bool = True) -> Iterator["threading.Event"]:
+def _elapsed(
+    show: bool = True, armed: Optional[threading.Event] = None
+) -> Iterator["threading.Event"]:
     """While the block runs, print the elapsed time after every :data:`PROGRESS_EVERY`
-    seconds without other output (``show``: else print nothing). Set the yielded event
+    seconds without other output (``show``: else print nothing), from when ``armed`` is
+    set (None: at once; so nothing is printed before a usage error). Set the yielded event
     whenever something is printed."""
     printed, done = threading.Event(), threading.Event()
     if not show:
@@ -94,7 +97,7 @@ def _elapsed(show: bool = True) -> Iterator["threading.Event"]:
 
     def tick() -> None:
         while not done.wait(PROGRESS_EVERY):
-            if printed.is_set():
+            if printed.is_set() or (armed is not None and not armed.is_set()):
                 printed.clear()
             else:
                 print(f"  ... {time.monotonic() - started:.0f} s elapsed", flush=True)
@@ -163,12 +166,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return _mw_cli.main(args)
 
+    armed = threading.Event()
+
     def starting() -> None:  # every input is valid: nothing printed before a usage error
         print("checking all-reduce backends...", flush=True)
+        armed.set()
 
     try:
         _split_cpu(parse_devices(args.devices) if args.devices else None)
-        with _elapsed(show=not args.json) as printed:
+        with _elapsed(show=not args.json, armed=armed) as printed:
 
             def progress(result: CandidateResult) -> None:
                 print(result.line(), flush=True)

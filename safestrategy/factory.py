@@ -269,8 +269,11 @@ def _decide(
     )
     if decision.backend is None:
         message = failure_message(devices, decision.results, setting)
-        if any(result.cached for result in decision.results):
-            message += f"\n{_nccl.NCCL}: {_nccl.cached_note(devices, request.nccl.timeout)}."
+        message += "".join(
+            f"\n{r.name}: {_nccl.cached_note(devices, request.nccl.timeout, r.name)}."
+            for r in decision.results
+            if r.cached and r.status in (FAILED, TIMEOUT)
+        )
         raise NoWorkingBackendError(message, report)
     with _lock:
         _decisions[key] = devices, decision, kernels
@@ -330,7 +333,9 @@ def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
     the NCCL check's, part of the verdict's key)."""
     level = logging.WARNING if fresh else logging.DEBUG
     for failed in (r for r in report.candidates if r.status in (FAILED, TIMEOUT)):
-        cached = f" ({_nccl.cached_note(report.devices, timeout)})" if failed.cached else ""
+        cached = ""
+        if failed.cached:
+            cached = f" ({_nccl.cached_note(report.devices, timeout, failed.name)})"
         logger.log(
             level,
             "all-reduce backend %s %s on %s (%s)%s; using %s instead. To choose yourself, %s.",

@@ -220,7 +220,7 @@ def test_a_forced_nccl_failing_on_a_cached_verdict_says_so_and_its_command_reche
         safestrategy.make_mirrored_strategy(GPUS, backend="nccl")
     assert "nccl: a verdict cached from an earlier run" in str(raised.value)
     args, argv = quoted_command(str(raised.value))
-    assert args == "--devices /gpu:0 /gpu:1 --timeout 7.5 --refresh"
+    assert args == "--devices /gpu:0 /gpu:1 --timeout 7.5 --backend nccl --refresh"
     monkeypatch.delenv("SAFESTRATEGY_PROBE_TIMEOUT")  # a shell without the training's setting
     fake("ok")
     assert cli.main(argv) == 0
@@ -246,9 +246,10 @@ def test_nccl_ops_says_a_forced_nccl_failed_on_a_cached_verdict(fake, tf, monkey
             nccl_ops.all_sum(placed(tf, inputs(2), GPUS))
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "safestrategy"]
     assert "cached" not in warning
-    assert quoted_command(warning)[0] == "--devices /gpu:0 /gpu:1 --timeout 60 --refresh"
+    recheck = "--devices /gpu:0 /gpu:1 --timeout 60 --backend nccl --refresh"
+    assert quoted_command(warning)[0] == recheck
     assert "a verdict cached from an earlier run" in str(raised.value)
-    assert quoted_command(str(raised.value))[0] == "--devices /gpu:0 /gpu:1 --timeout 60 --refresh"
+    assert quoted_command(str(raised.value))[0] == recheck
     assert len(fake.starts()) == 1
 
 
