@@ -334,7 +334,7 @@ def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
     level = logging.WARNING if fresh else logging.DEBUG
     for failed in (r for r in report.candidates if r.status in (FAILED, TIMEOUT)):
         cached = ""
-        if failed.cached:
+        if failed.cached and "--refresh" not in failed.reason:  # a stall's reason quotes its own
             cached = f" ({_nccl.cached_note(report.devices, timeout, failed.name)})"
         logger.log(
             level,
