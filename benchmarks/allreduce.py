@@ -72,7 +72,7 @@ def _stock_ops_name(tf: Any, devices: Sequence[str], config: Any) -> str:
 
 def _round_ms(tf: Any, era: str, devices: List[str], name: Optional[str], mb: float, config: Any):
     """One round of one variant: a fresh strategy, safestrategy's timer (median of RUNS)."""
-    from safestrategy import _timing
+    from safestrategy import _allreduce, _timing
     from safestrategy.backends import build_strategy
 
     sizes = _timing.payload_sizes(mb)
@@ -87,7 +87,7 @@ def _round_ms(tf: Any, era: str, devices: List[str], name: Optional[str], mb: fl
             strategy = build_strategy(tf, era, devices)
             return _timing._graph(tf, era, strategy, devices, [sizes], config, _timing.RUNS)[0]
 
-    return _timing._in_fresh_thread(timed)
+    return _allreduce.in_fresh_thread(timed)
 
 
 def child(cpus: int, rounds: int, mb: float) -> Dict[str, Any]:

@@ -119,7 +119,9 @@ def _graph(
             else:
                 result = strategy.extended.call_for_each_replica(replica_fn)
             unwrap = getattr(strategy, "experimental_local_results", None) or strategy.unwrap
-            return tf.group(*[tensor for reduced in result for tensor in unwrap(reduced)])
+            # One element of every result, not tf.group(results): a session fetching only a
+            # group measured 0.3 ms for 32 MB on TF 1.15 (the reductions did not all run).
+            return [tensor[:1] for reduced in result for tensor in unwrap(reduced)]
 
     steps = [step(sizes) for sizes in batches]
     session = tf.Session if hasattr(tf, "Session") else tf.compat.v1.Session  # TF2: graph mode

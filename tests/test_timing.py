@@ -24,6 +24,27 @@ def test_a_batch_all_reduce_is_timed_here(tf):
     assert 0 < ms < 60_000
 
 
+def _configs(tf):
+    """The session configs to time with: a graph-mode one always, and None (eager) on TF2."""
+    from safestrategy._allreduce import session_config
+
+    graph = tf if not tf.__version__.startswith("2.") else tf.compat.v1
+    return [session_config(graph, 2, gpus=False)] + ([None] if graph is not tf else [])
+
+
+def test_the_time_grows_with_the_payload_so_the_reduction_really_ran(tf):
+    """A session that fetched only a tf.group of the results timed 32 MB in 0.3 ms on
+    TF 1.15: the race compared nothing. 128x the data must take clearly longer."""
+    from safestrategy._tf import era
+
+    small, large = _timing.payload_sizes(0.5), _timing.payload_sizes(64)
+    for config in _configs(tf):
+        times = _timing.batches_ms(
+            tf, era(tf.__version__), cpus(2), "reduce_to_cpu", [small, large], config
+        )
+        assert times[1] > 3 * times[0], (config is None, times)
+
+
 def test_auto_in_a_tf1_session_races_the_candidates_that_pass(tf1):
     report = safestrategy.probe(cpus(2))
     timed = {c.name: c.ms for c in report.candidates if c.ms is not None}
