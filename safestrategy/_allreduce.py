@@ -141,36 +141,51 @@ def _eager_all_reduce(tf: Any, strategy: Any) -> Values:
     return [(t.device, t.numpy().tolist()) for t in strategy.experimental_local_results(result)]
 
 
-def _graph_all_reduce(tf: Any, era: str, strategy: Any, config: Any) -> Values:
-    """Graph mode: merge_call into the strategy's own batch reduce, run in a Session.
+def replica_index(tf: Any, context: Any) -> int:
+    """This replica's index as a Python int (TF2 graphs give a constant tensor, TF 1.12 a
+    ``tower_id``)."""
+    value = getattr(context, "replica_id_in_sync_group", None)
+    if value is None:
+        value = context.tower_id
+    if isinstance(value, int):
+        return value
+    from tensorflow.python.framework import tensor_util
+
+    return int(tensor_util.constant_value(value))
+
+
+def graph_batch_all_reduce(
+    tf: Any, era: str, strategy: Any, values_for: Callable[[int], Sequence[Any]]
+) -> List[List[Any]]:
+    """Graph mode: each replica's tensors ``values_for(replica)`` summed across replicas in
+    one merge_call into the strategy's own batch reduce; for each value, every replica's
+    result tensor.
 
     ``batch_reduce_to`` is what training's all-reduce takes (optimizers,
     ``ReplicaContext.all_reduce``); ``reduce_to`` is not: TF 2.x reroutes it to
     ``ReductionToOneDevice`` whenever a destination is a CPU, so it passed
-    ``hierarchical_copy`` on 3 CPUs that training then summed wrong. The pair
-    ``(value, value)`` makes it an all-reduce through the cross-device ops.
+    ``hierarchical_copy`` on 3 CPUs that training then summed wrong. The pairs
+    ``(value, value)`` make it an all-reduce through the cross-device ops.
     TF 1.12 spells everything "tower", has ``batch_reduce(aggregation, pairs)``
     and passes merge_call arguments directly.
     """
     contrib = era == "contrib-tower"
 
-    def merge_fn(distribution: Any, value: Any) -> Any:
+    def merge_fn(distribution: Any, *values: Any) -> Any:
+        pairs = [(value, value) for value in values]
         if contrib:
-            return distribution.batch_reduce(tf.VariableAggregation.SUM, [(value, value)])[0]
-        pairs = [(value, value)]
-        return distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)[0]
+            return distribution.batch_reduce(tf.VariableAggregation.SUM, pairs)
+        return distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
 
     def replica_fn() -> Any:
         if contrib:
             context = tf.contrib.distribute.get_tower_context()
-            replica = context.tower_id
         else:
             context = tf.distribute.get_replica_context()
-            replica = context.replica_id_in_sync_group
-        value = tf.fill([VECTOR_SIZE], tf.cast(replica, tf.float32) + 1.0)
+        values = tuple(values_for(replica_index(tf, context)))
         if contrib:
-            return context.merge_call(merge_fn, value)
-        return context.merge_call(merge_fn, args=(value,))
+            return context.merge_call(merge_fn, *values)
+        return context.merge_call(merge_fn, args=values)
 
     with strategy.scope():
         if contrib:
@@ -178,7 +193,17 @@ def _graph_all_reduce(tf: Any, era: str, strategy: Any, config: Any) -> Values:
         else:
             result = strategy.extended.call_for_each_replica(replica_fn)
         unwrap = getattr(strategy, "experimental_local_results", None) or strategy.unwrap
-        tensors = list(unwrap(result))
+        return [list(unwrap(reduced)) for reduced in result]
+
+
+def _graph_all_reduce(tf: Any, era: str, strategy: Any, config: Any) -> Values:
+    """Graph mode: the smoke all-reduce through :func:`graph_batch_all_reduce`, run in a
+    Session."""
+
+    def values_for(replica: int) -> List[Any]:
+        return [tf.fill([VECTOR_SIZE], float(replica + 1))]
+
+    (tensors,) = graph_batch_all_reduce(tf, era, strategy, values_for)
     session = tf.Session if hasattr(tf, "Session") else tf.compat.v1.Session  # TF2: graph mode
     with session(config=config) as running:
         values = running.run(tensors)

@@ -149,21 +149,24 @@ def resolve_timeout(argument: Any, environ: Optional[Mapping[str, str]] = None) 
         value, source = _from_env(environ, ENV_TIMEOUT), "env"
         if value is None:
             return DEFAULT_TIMEOUT
-    seconds = _number(value)
-    if not 0 < seconds <= MAX_TIMEOUT:  # also false for NaN
-        raise ValueError(
-            f"probe timeout {value!r} from {_source_text(source, ENV_TIMEOUT)} is not valid; "
-            f"give a positive number of seconds up to {MAX_TIMEOUT:g}, e.g. 60"
-        )
-    return seconds
+    where = _source_text(source, ENV_TIMEOUT)
+    return _bounded(
+        value, f"probe timeout {value!r} from {where}", "seconds", MAX_TIMEOUT, "e.g. 60"
+    )
 
 
-def _number(value: Any) -> float:
-    """``value`` as a float; NaN (never valid) for what is not a number, bools included."""
+def _bounded(value: Any, what: str, unit: str, maximum: float, hint: str) -> float:
+    """``value`` as a number in (0, ``maximum``], else ``ValueError`` saying ``what`` is
+    not valid and what is (bools and NaN are never numbers here)."""
     try:
-        return math.nan if isinstance(value, bool) else float(value)
+        number = math.nan if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
-        return math.nan
+        number = math.nan
+    if not 0 < number <= maximum:  # also false for NaN
+        raise ValueError(
+            f"{what} is not valid; give a positive number of {unit} up to {maximum:g}, {hint}"
+        )
+    return number
 
 
 def resolve_payload_mb(environ: Optional[Mapping[str, str]] = None) -> float:
@@ -171,13 +174,8 @@ def resolve_payload_mb(environ: Optional[Mapping[str, str]] = None) -> float:
     value = _from_env(os.environ if environ is None else environ, ENV_PAYLOAD)
     if value is None:
         return DEFAULT_PAYLOAD_MB
-    megabytes = _number(value)
-    if not 0 < megabytes <= MAX_PAYLOAD_MB:  # also false for NaN
-        raise ValueError(
-            f"payload {value!r} from the environment variable {ENV_PAYLOAD} is not valid; "
-            f"give a positive number of megabytes up to {MAX_PAYLOAD_MB:g}, e.g. 32"
-        )
-    return megabytes
+    what = f"payload {value!r} from the environment variable {ENV_PAYLOAD}"
+    return _bounded(value, what, "megabytes", MAX_PAYLOAD_MB, "e.g. 32")
 
 
 def resolve_switch(
@@ -225,16 +223,9 @@ def resolve_stall(environ: Optional[Mapping[str, str]] = None) -> StallSettings:
     if value is not None and value.strip().lower() == "off":
         timeout = None
     elif value is not None:
-        try:
-            timeout = float(value)
-        except ValueError:
-            timeout = math.nan
-        if not 0 < timeout <= MAX_TIMEOUT:  # also false for NaN
-            raise ValueError(
-                f"{value!r} from the environment variable {ENV_STALL_TIMEOUT} is not valid; "
-                f"give a positive number of seconds up to {MAX_TIMEOUT:g} "
-                f"(default {DEFAULT_STALL_TIMEOUT:g}), or off"
-            )
+        what = f"{value!r} from the environment variable {ENV_STALL_TIMEOUT}"
+        hint = f"or off (default {DEFAULT_STALL_TIMEOUT:g})"
+        timeout = _bounded(value, what, "seconds", MAX_TIMEOUT, hint)
     action = (_from_env(environ, ENV_STALL_ACTION) or STALL_ACTIONS[0]).strip().lower()
     if action not in STALL_ACTIONS:
         raise ValueError(

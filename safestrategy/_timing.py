@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ._allreduce import in_fresh_thread
+from ._allreduce import graph_batch_all_reduce, in_fresh_thread, replica_index
 from .backends import build_cross_device_ops, build_strategy
 
 TENSORS = 20
@@ -34,18 +34,6 @@ def payload_sizes(megabytes: float) -> List[int]:
     sizes = [max(total * share // sum(shares), 1) for share in shares]
     sizes[-1] += total - sum(sizes)
     return sizes
-
-
-def _replica_index(tf: Any, context: Any) -> int:
-    """This replica's index as a Python int (TF2 gives a constant tensor, TF 1.12 ``tower_id``)."""
-    value = getattr(context, "replica_id_in_sync_group", None)
-    if value is None:
-        value = context.tower_id
-    if isinstance(value, int):
-        return value
-    from tensorflow.python.framework import tensor_util
-
-    return int(tensor_util.constant_value(value))
 
 
 def _median_ms(run: Callable[[], Any], runs: int) -> float:
@@ -72,7 +60,7 @@ def _eager(
 
         def replica_fn(inputs: List[Any] = inputs) -> Any:
             context = tf.distribute.get_replica_context()
-            mine = inputs[_replica_index(tf, context)]
+            mine = inputs[replica_index(tf, context)]
             return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
 
         step = tf.function(lambda: run(replica_fn), autograph=False)
@@ -89,39 +77,19 @@ def _graph(
     config: Any,
     runs: int,
 ) -> List[float]:
-    contrib = era == "contrib-tower"
-
-    def merge_fn(distribution: Any, *values: Any) -> Any:
-        pairs = [(value, value) for value in values]
-        if contrib:
-            return distribution.batch_reduce(tf.VariableAggregation.SUM, pairs)
-        return distribution.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)
-
     def step(sizes: Sequence[int]) -> Any:
         inputs = []
         for device in devices:
             with tf.device(device):
                 inputs.append([tf.Variable(tf.ones([size]), trainable=False) for size in sizes])
 
-        def replica_fn() -> Any:
-            if contrib:
-                context = tf.contrib.distribute.get_tower_context()
-            else:
-                context = tf.distribute.get_replica_context()
-            mine = [tf.identity(v) for v in inputs[_replica_index(tf, context)]]
-            if contrib:
-                return context.merge_call(merge_fn, *mine)
-            return context.merge_call(merge_fn, args=tuple(mine))
+        def values_for(replica: int) -> List[Any]:
+            return [tf.identity(v) for v in inputs[replica]]
 
-        with strategy.scope():
-            if contrib:
-                result = strategy.call_for_each_tower(replica_fn)
-            else:
-                result = strategy.extended.call_for_each_replica(replica_fn)
-            unwrap = getattr(strategy, "experimental_local_results", None) or strategy.unwrap
-            # One element of every result, not tf.group(results): a session fetching only a
-            # group measured 0.3 ms for 32 MB on TF 1.15 (the reductions did not all run).
-            return [tensor[:1] for reduced in result for tensor in unwrap(reduced)]
+        reduced = graph_batch_all_reduce(tf, era, strategy, values_for)
+        # One element of every result, not tf.group(results): a session fetching only a
+        # group measured 0.3 ms for 32 MB on TF 1.15 (the reductions did not all run).
+        return [tensor[:1] for tensors in reduced for tensor in tensors]
 
     steps = [step(sizes) for sizes in batches]
     session = tf.Session if hasattr(tf, "Session") else tf.compat.v1.Session  # TF2: graph mode
