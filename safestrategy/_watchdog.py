@@ -183,10 +183,13 @@ def _remedies(backend: str, multiworker: bool, nccl: Mapping[str, str]) -> List[
         else (_env.ENV_BACKEND, BACKEND_NAMES)
     )
     others = [name for name in names if name not in (backend, "nccl")]  # the safe ones
-    tips.append(
-        f"another backend: {variable}={others[0]}"
-        + (f" (or {', '.join(others[1:])})" if others[1:] else "")
-    )
+    if others:
+        tips.append(
+            f"another backend: {variable}={others[0]}"
+            + (f" (or {', '.join(others[1:])})" if others[1:] else "")
+        )
+    else:  # multi-worker RING: nothing safer to switch to
+        tips.append("check that every worker still runs: one that died or hangs stops the rest")
     tips.append(
         f"if one call is simply long (a long first compile, Keras steps_per_execution=N): "
         f"raise {_env.ENV_STALL_TIMEOUT}"
@@ -204,13 +207,23 @@ def message(
     settings: _env.StallSettings,
 ) -> str:
     """The ERROR for a stall: how long, where, which backend and devices, what to try."""
-    lines = [
+    headline = (
         f"training has made no progress for {seconds:.0f} s: thread {thread!r} has been in "
         f"one TensorFlow call for that long ({_env.ENV_STALL_TIMEOUT}={settings.timeout:g}), "
-        f"{WHERE[kind]}.",
-        "where (most recent call last):",
-        stack,
-    ]
+        f"{WHERE[kind]}."
+    )
+    if settings.action == "exit":
+        closing = f"{_env.ENV_STALL_ACTION}=exit: ending the process with exit code {EXIT_CODE}."
+    else:
+        closing = "Still waiting: if the call finishes after all, the record is withdrawn."
+    return _explained(headline, stack, report, nccl, closing)
+
+
+def _explained(
+    headline: str, stack: str, report: Optional[Report], nccl: Mapping[str, str], closing: str
+) -> str:
+    """A stall's headline with where, which backend and devices, what to try, ``closing``."""
+    lines = [headline, "where (most recent call last):", stack]
     backend, multiworker = "unknown", False
     if report is not None:
         backend, multiworker = report.backend, report.task is not None
@@ -225,12 +238,7 @@ def message(
             f"The stall is recorded: the next automatic choice on these devices skips "
             f"{backend} (`{_stalls.refresh_command(report.devices)}` re-allows it)."
         )
-    if settings.action == "exit":
-        lines.append(
-            f"{_env.ENV_STALL_ACTION}=exit: ending the process with exit code {EXIT_CODE}."
-        )
-    else:
-        lines.append("Still waiting: if the call finishes after all, the record is withdrawn.")
+    lines.append(closing)
     return "\n".join(lines)
 
 
@@ -340,3 +348,60 @@ def _exit() -> None:
     _flush_logs()
     _probe.close_all()
     os._exit(EXIT_CODE)
+
+
+def collective_timeout_message(
+    timeout: float,
+    error: BaseException,
+    stack: str,
+    report: Optional[Report],
+    nccl: Mapping[str, str],
+) -> str:
+    """The ERROR for the user's own ``CommunicationOptions(timeout_seconds=...)`` ending a
+    collective that waited too long: a stall that TensorFlow itself cut short."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    headline = (
+        f"training stopped: a collective all-reduce waited longer than the "
+        f"CommunicationOptions(timeout_seconds={timeout:g}) you set ({type(error).__name__}: "
+        f"{first}); most likely a worker stopped taking part."
+    )
+    closing = "TensorFlow's error follows."
+    return _explained(headline, stack, report, nccl, closing)
+
+
+_hooked = False
+
+
+def report_collective_timeouts(timeout: float, report: Report) -> None:
+    """Multi-worker with the user's ``CommunicationOptions(timeout_seconds=...)``: report
+    its ``DeadlineExceededError``, when nothing catches it, like a stall (the ERROR and the
+    record) before Python reports it as usual. Installed once; the latest report applies."""
+    global _hooked, _report
+    _report = report
+    if _hooked:
+        return
+    _hooked = True
+    before = sys.excepthook
+
+    def hook(kind: Any, error: BaseException, trace: Any) -> None:
+        if kind.__name__ == "DeadlineExceededError":
+            try:
+                _collective_timeout(timeout, error, trace)
+            except Exception:  # reporting must never hide the error itself
+                logger.debug("reporting a collective timeout failed", exc_info=True)
+        before(kind, error, trace)
+
+    sys.excepthook = hook
+
+
+def _collective_timeout(timeout: float, error: BaseException, trace: Any) -> None:
+    report = _report
+    kept = [entry for entry in traceback.extract_tb(trace) if not _is_library(entry.filename)]
+    stack = "".join(traceback.StackSummary.from_list(kept).format()).rstrip()
+    nccl = {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
+    logger.error(collective_timeout_message(timeout, error, stack, report, nccl))
+    if report is not None:
+        tf = sys.modules.get("tensorflow") or _tf.import_tf()
+        _stalls.record(tf, report, timeout)
+    _flush_logs()

@@ -287,4 +287,7 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     strategy = _mw_check.build_strategy(tf, report.backend, kwargs)
     factory._set_last_report(report)
     _watchdog.watch(stall_settings, report)
+    timeout = getattr(kwargs.get("communication_options"), "timeout_seconds", None)
+    if timeout:
+        _watchdog.report_collective_timeouts(timeout, report)
     return strategy

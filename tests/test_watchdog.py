@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 import types
 
@@ -378,3 +379,31 @@ def test_tf1_session_run_is_watched(tf1, tmp_path):
     assert run.returncode == 75, run.stderr[-3000:]
     assert "in session.run (the training step in TF1 graph mode)" in run.stderr
     assert "session.run(stuck)" in run.stderr
+
+
+@needs_tf
+def test_a_collective_timeout_the_user_set_is_reported_like_a_stall(tf, monkeypatch, caplog):
+    """Multi-worker with CommunicationOptions(timeout_seconds=...): TensorFlow's own
+    DeadlineExceededError, uncaught, gets the stall's ERROR and record, then Python's report."""
+    before = []
+    monkeypatch.setattr(sys, "excepthook", lambda *args: before.append(args))
+    monkeypatch.setattr(_watchdog, "_hooked", False)
+    monkeypatch.setattr(_watchdog, "_report", None)
+    ring = report(
+        backend="ring", devices=("/device:CPU:0",), candidates=(), workers=2, task="worker:1"
+    )
+    _watchdog.report_collective_timeouts(30.0, ring)
+    try:
+        raise tf.errors.DeadlineExceededError(None, None, "Collective ops is aborted by: timeout")
+    except tf.errors.DeadlineExceededError as error:
+        caught = error
+    with caplog.at_level(logging.ERROR, logger="safestrategy"):
+        sys.excepthook(type(caught), caught, caught.__traceback__)
+    assert [args[1] for args in before] == [caught]  # Python's own report still follows
+    (text,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert "CommunicationOptions(timeout_seconds=30) you set" in text
+    assert "Collective ops is aborted by: timeout" in text
+    assert "this is worker:1 of 2 workers" in text and "test_watchdog.py" in text
+    assert [s.backend for s in _stalls.recorded(tf, ["/device:CPU:0"])] == ["ring"]
+    sys.excepthook(ValueError, ValueError("other"), None)  # other errors: only Python's report
+    assert len(before) == 2 and len(caplog.records) == 1
