@@ -18,7 +18,6 @@ import glob
 import os
 import re
 import shutil
-import socket
 import subprocess
 from typing import Any, Dict, List, Optional
 
@@ -72,6 +71,8 @@ def shm_bytes() -> Optional[int]:
 
 @functools.lru_cache(maxsize=None)
 def _identity() -> Dict[str, Any]:
+    import socket  # here: `import safestrategy` should not pay for it
+
     uuids = gpu_uuids()
     return {
         "gpu_uuids": uuids,

@@ -14,7 +14,6 @@ candidate that may hang (NCCL): see :func:`in_probe_process`.
 """
 
 import functools
-import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -37,6 +36,8 @@ def payload_sizes(megabytes: float) -> List[int]:
 
 
 def _median_ms(run: Callable[[], Any], runs: int) -> float:
+    import statistics  # here: ~7 ms that `import safestrategy` should not pay for
+
     for _ in range(WARMUP):
         run()
     times = []
