@@ -93,7 +93,7 @@ def machine(monkeypatch):
     def be(uuids=(), host="node-a", shm=64 << 20):
         monkeypatch.setattr(_machine, "_uuids_from_proc", lambda: list(uuids))
         monkeypatch.setattr(_machine, "_uuids_from_nvidia_smi", lambda: [])
-        monkeypatch.setattr(_machine.socket, "gethostname", lambda: host)
+        monkeypatch.setattr("socket.gethostname", lambda: host)
         monkeypatch.setattr(_machine, "shm_bytes", lambda: shm)
         _machine._identity.cache_clear()  # read once per process: this is a new one
 
