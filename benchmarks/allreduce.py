@@ -71,23 +71,11 @@ def _stock_ops_name(tf: Any, devices: Sequence[str], config: Any) -> str:
 
 
 def _round_ms(tf: Any, era: str, devices: List[str], name: Optional[str], mb: float, config: Any):
-    """One round of one variant: a fresh strategy, safestrategy's timer (median of RUNS)."""
-    from safestrategy import _allreduce, _timing
-    from safestrategy.backends import build_strategy
+    """One round of one variant (None: stock, no cross_device_ops at all): a fresh
+    strategy, safestrategy's timer (median of RUNS)."""
+    from safestrategy import _timing
 
-    sizes = _timing.payload_sizes(mb)
-    if name is not None:
-        return _timing.batches_ms(tf, era, devices, name, [sizes], config)[0]
-
-    def timed() -> float:  # the stock strategy: no cross_device_ops at all
-        if config is None:
-            strategy = build_strategy(tf, era, devices)
-            return _timing._eager(tf, strategy, devices, [sizes], _timing.RUNS)[0]
-        with tf.Graph().as_default():
-            strategy = build_strategy(tf, era, devices)
-            return _timing._graph(tf, era, strategy, devices, [sizes], config, _timing.RUNS)[0]
-
-    return _allreduce.in_fresh_thread(timed)
+    return _timing.batches_ms(tf, era, devices, name, [_timing.payload_sizes(mb)], config)[0]
 
 
 def child(cpus: int, rounds: int, mb: float) -> Dict[str, Any]:

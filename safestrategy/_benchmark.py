@@ -24,7 +24,7 @@ from .report import OK, Report
 
 #: Bytes per replica: 4 KiB, 16 KiB, ..., 64 MiB.
 SIZES = tuple(4096 * 4**power for power in range(8))
-#: Timed runs per size, after :data:`safestrategy._timing.WARMUP` untimed.
+#: Timed runs per size, after one untimed (see :func:`safestrategy._timing.batches_ms`).
 RUNS = 5
 PLOT_INSTALL = "pip install 'safestrategy[bench]'  (or: pip install matplotlib)"
 

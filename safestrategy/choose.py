@@ -6,7 +6,7 @@ inputs. ``auto`` takes the fastest candidate that sums right (the 3 % rule in
 :func:`fastest`); a list or a forced name, the first that passes.
 """
 
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ._devices import Device
 from ._env import ENV_BACKEND, Setting
@@ -20,10 +20,14 @@ SINGLE_DEVICE_REASON = "one device: there is nothing to all-reduce, so nothing w
 #: the earlier is within this fraction of the fastest median: a stable, deterministic choice.
 MARGIN = 0.03
 
+#: Before the full timing, each candidate that passed runs the payload once; only those
+#: within this factor of the fastest such run are run again (see :func:`contenders`).
+SCREEN = 2.0
+
 Check = Callable[[str], CandidateResult]
-#: Times a candidate that passed: median milliseconds of its payload all-reduce, or None
-#: when it could not be timed.
-Timer = Callable[[str], Optional[float]]
+#: Times the candidates that passed: for each, the median milliseconds of its payload
+#: all-reduce, or None when it could not be timed.
+Timer = Callable[[Sequence[str]], Mapping[str, Optional[float]]]
 
 
 class Planned(NamedTuple):
@@ -98,6 +102,17 @@ def fastest(timed: Sequence[Tuple[str, float]]) -> Tuple[str, str]:
     return name, why
 
 
+def contenders(first_runs: Mapping[str, float]) -> Set[str]:
+    """The candidates worth timing in full, given one timed run of each (milliseconds):
+    those within :data:`SCREEN` of the fastest. The others cannot win by the 3 % rule
+    unless a run is more than twice as slow as the next by chance; their one run stands
+    as their time, which spares a cold start their slow runs."""
+    if not first_runs:
+        return set()
+    best = min(first_runs.values())
+    return {name for name, ms in first_runs.items() if ms <= best * SCREEN}
+
+
 def _auto_choice(results: List[CandidateResult], time: Optional[Timer]) -> Decision:
     """Of the candidates that passed, the fastest by the 3 % rule (timed when two or more
     passed: one alone needs no race); untimed ones rank after every timed one."""
@@ -105,7 +120,7 @@ def _auto_choice(results: List[CandidateResult], time: Optional[Timer]) -> Decis
     if len(passed) < 2 or time is None:
         chosen = passed[0] if passed else None
         return Decision(chosen, _why("only", chosen, results), tuple(results))
-    timings = {name: time(name) for name in passed}
+    timings = time(passed)
     results = [r._replace(ms=timings[r.name]) if r.name in timings else r for r in results]
     timed = [(name, ms) for name, ms in timings.items() if ms is not None]
     if not timed:
@@ -139,7 +154,7 @@ def decide(
     unavailable: Optional[Mapping[str, str]] = None,
     remembered: Optional[Decision] = None,
 ) -> Decision:
-    """The decision, calling ``check(name)`` for smoke checks and ``time(name)`` to time.
+    """The decision, calling ``check(name)`` for smoke checks and ``time(names)`` to time.
 
     ``auto`` checks every applicable candidate and takes the fastest that passed
     (:func:`fastest`); given ``remembered`` (an earlier ``auto`` decision for the same

@@ -11,10 +11,11 @@ session could, so they run in one probe process too.
 import logging
 import platform as _platform
 import threading
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+import time
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _cache, _collective, _env, _nccl, _probe, _stalls, _tf, _timing, _watchdog, choose
-from ._allreduce import graph_api, session_config, smoke_check
+from ._allreduce import graph_api, in_fresh_thread, judge, session_config, smoke_check
 from ._devices import Device, parse_devices, require_existing
 from ._env import Setting, resolve_backend, resolve_stall
 from .backends import build_cross_device_ops, build_strategy, check_kwargs, get_backend
@@ -69,8 +70,13 @@ def _request(
 
 
 class _Checks:
-    """Runs one candidate's smoke check (and timing) at a time for one device set, each
-    where it belongs: what may hang (NCCL, a collective on NCCL) in a probe process."""
+    """Runs the candidates' smoke checks and timings for one device set, each where it
+    belongs: what may hang (NCCL, a collective on NCCL) in a probe process.
+
+    While ``racing`` (a cold ``auto`` decision), an in-process check is the first run of
+    the candidate's payload race (:class:`~safestrategy._timing.Race`), judged like a
+    smoke check and kept for :meth:`time_all`: each candidate is traced once.
+    """
 
     def __init__(
         self,
@@ -98,6 +104,10 @@ class _Checks:
             self.config = session_config(graph, cpus, gpus=False)
         self.process: Optional[_probe.ProbeProcess] = None
         self.start_failure = ""  #: why the probe process could not start, once it could not
+        self.racing = False  #: check in-process candidates on the payload (see the class)
+        self.races: Dict[str, _timing.Race] = {}  #: checked on the payload, to be timed
+        self.sizes = _timing.payload_sizes(payload_mb)
+        self._inputs: Optional[Any] = None
 
     def unavailable(self) -> Dict[str, str]:
         """Candidates that cannot apply to these devices here, and why (``auto`` skips them)."""
@@ -122,30 +132,81 @@ class _Checks:
             if self._may_hang(name):
                 result = _nccl.verdict(self.tf, self.devices, self.opts, name)
             else:  # RING on CPUs: in-process, each op bounded by the timeout
-                result = smoke_check(
-                    self.tf, self.era, self.names, name, self.config, self.opts.timeout
-                )
+                result = self._here(name, self.opts.timeout)
             return result._replace(reason=result.reason + requested)
         if get_backend(name).needs_gpu and not self.gpu:
             return CandidateResult(name, FAILED, NO_GPU)
-        if self.config is not None and self.gpu:
+        if self._elsewhere(name):
             return self._in_probe_process(name)
-        return smoke_check(self.tf, self.era, self.names, name, self.config)
+        return self._here(name)
 
-    def time(self, name: str) -> Optional[float]:
-        """Median ms of ``name``'s payload all-reduce (None: it could not be timed)."""
-        if self._may_hang(name) or (self.config is not None and self.gpu):
-            process = self._process()
-            if process is None:
-                return None
-            return _timing.in_probe_process(process, name, self.payload_mb, self.opts.timeout)
+    def _elsewhere(self, name: str) -> bool:
+        """Checked and timed in the probe process (what may hang; TF 1.x sessions on GPUs)."""
+        return self._may_hang(name) or (self.config is not None and self.gpu)
+
+    def _here(self, name: str, timeout: Optional[float] = None) -> CandidateResult:
+        """An in-process check: the payload race's first run while racing, else (or when the
+        race could not be built or run, e.g. no memory for the payload) the small one."""
+        if self.racing:
+            started = time.monotonic()
+            try:
+                ready = self._race(name, timeout)
+            except Exception as error:
+                logger.debug("%s's payload race failed (%s): the smoke check decides", name, error)
+            else:
+                result = judge(name, ready.values, len(self.devices), time.monotonic() - started)
+                if result.status == OK:
+                    self.races[name] = ready.race
+                else:
+                    ready.race.close()
+                return result
+        return smoke_check(self.tf, self.era, self.names, name, self.config, timeout)
+
+    def _race(self, name: str, timeout: Optional[float]) -> "_timing.Checked":
+        """``name``'s payload race after its first run (``PlacementError``: misplaced)."""
+        if self.config is None and self._inputs is None:  # eager: one payload for all
+            self._inputs = in_fresh_thread(lambda: _timing.payload(self.tf, self.names, self.sizes))
+        ready = _timing.race(
+            self.tf, self.era, self.names, name, self.sizes, self.config, timeout, self._inputs
+        )
         try:
-            return _timing.median_ms(
-                self.tf, self.era, self.names, name, self.payload_mb, self.config, self.opts.timeout
-            )
-        except Exception as error:
-            logger.debug("timing %s failed: %s", name, error)
-            return None
+            return _timing.Checked(ready, _timing.checked(ready, self.names, self.config is None))
+        except BaseException:
+            ready.close()
+            raise
+
+    def time_all(self, names: Sequence[str]) -> Dict[str, Optional[float]]:
+        """Median ms of each passing candidate's payload all-reduce (None: it could not be
+        timed). In-process candidates run once each first; only those within
+        :data:`~safestrategy.choose.SCREEN` of the fastest of these runs are run
+        :data:`~safestrategy._timing.RUNS` times: a clear loser's time is its one run."""
+        timings: Dict[str, Optional[float]] = {}
+        firsts: Dict[str, float] = {}
+        for name in names:
+            if self._elsewhere(name):
+                process = self._process()
+                timings[name] = process and _timing.in_probe_process(
+                    process, name, self.payload_mb, self.opts.timeout
+                )
+                continue
+            try:
+                if name not in self.races:  # checked small (a warm winner failed): warm up
+                    self.races[name] = self._race(name, self.opts.timeout).race
+                firsts[name] = _timing.timed_ms(self.races[name], 1)[0]
+            except Exception as error:
+                logger.debug("timing %s failed: %s", name, error)
+                timings[name] = None
+        contenders = choose.contenders(firsts)
+        for name, first in firsts.items():
+            more: List[float] = []
+            try:
+                if name in contenders:
+                    more = _timing.timed_ms(self.races[name], _timing.RUNS - 1)
+            except Exception as error:
+                logger.debug("timing %s failed: %s", name, error)
+            timings[name] = _timing.median([first, *more])
+        self.close_races()
+        return {name: timings[name] for name in names}
 
     def _process(self) -> Optional[_probe.ProbeProcess]:
         """The probe process for this device set, started on first use (None: it cannot)."""
@@ -166,7 +227,14 @@ class _Checks:
             self.close()
         return result
 
+    def close_races(self) -> None:
+        for ready in self.races.values():
+            ready.close()
+        self.races.clear()
+        self._inputs = None
+
     def close(self) -> None:
+        self.close_races()
         if self.process is not None:
             self.process.close()
             self.process = None
@@ -299,7 +367,8 @@ def _timed_decision(
         key = _timing.cache_key(tf, devices, mode, request.payload_mb)
         stored = None if opts.refresh else _cache.read(directory, "timing", key)
         cached = _remembered(stored)
-    decision = choose.decide(setting, devices, check, checks.time, checks.unavailable(), cached)
+    checks.racing = setting.mode == "auto" and cached is None
+    decision = choose.decide(setting, devices, check, checks.time_all, checks.unavailable(), cached)
     if key and decision.timed and decision.backend is not None:
         _cache.write(directory, "timing", key, _stored(decision))
     elif key and cached is not None and not decision.warm:

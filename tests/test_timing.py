@@ -57,7 +57,66 @@ def refuse_timing(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("nothing may be timed here")
 
-    monkeypatch.setattr(_timing, "median_ms", refuse)
+    monkeypatch.setattr(_timing, "race", refuse)
+
+
+def races_built(monkeypatch):
+    """The names of the payload races built from now on (each is tagged ``.name``)."""
+    built = []
+    real = _timing.race
+
+    def race(tf, era, devices, name, *args, **kwargs):
+        ready = real(tf, era, devices, name, *args, **kwargs)
+        ready.name = name
+        built.append(name)
+        return ready
+
+    monkeypatch.setattr(_timing, "race", race)
+    return built
+
+
+def test_a_cold_auto_traces_each_candidate_once_its_check_is_the_first_run(tf, monkeypatch):
+    """The payload race's first run is the smoke check: no separate small check."""
+    built = races_built(monkeypatch)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cold race needs no separate smoke check")
+
+    monkeypatch.setattr(factory, "smoke_check", refuse)
+    report, fresh = factory.decide(cpus(2), cache=False)
+    passed = [c.name for c in report.candidates if c.status == "ok"]
+    assert fresh and sorted(built) == sorted(passed) and len(passed) >= 2
+    assert all(c.ms is not None for c in report.candidates if c.status == "ok")
+
+
+def test_a_wrong_sum_in_the_payload_race_fails_the_candidate(tf):
+    report, _ = factory.decide(cpus(3), cache=False)
+    hierarchical = next(c for c in report.candidates if c.name == "hierarchical_copy")
+    assert hierarchical.status == "failed" and hierarchical.ms is None
+    assert "wrong sum: expected 6 on each of 3 replicas" in hierarchical.reason
+
+
+def test_a_clear_loser_runs_once_and_the_contenders_run_in_full(tf, monkeypatch):
+    """Only candidates within choose.SCREEN (2x) of the fastest first timed run are run
+    _timing.RUNS times; a clear loser's one run is its time."""
+    fake = {"collective": 19.0, "hierarchical_copy": 25.0, "reduce_to_cpu": 10.0}
+    races_built(monkeypatch)
+    runs = []
+
+    def times(self, count):
+        runs.append((self.name, count))
+        return [fake[self.name]] * count
+
+    monkeypatch.setattr(_timing.Race, "times", times)
+    report, _ = factory.decide(cpus(2), cache=False)
+    timed = {c.name: c.ms for c in report.candidates if c.ms is not None}
+    assert timed == {name: ms for name, ms in fake.items() if name in timed}
+    assert report.backend == "reduce_to_cpu" and "hierarchical_copy" in timed
+    counts = {}
+    for name, count in runs:
+        counts.setdefault(name, []).append(count)
+    assert counts.pop("hierarchical_copy") == [1] and "reduce_to_cpu" in counts
+    assert all(each == [1, _timing.RUNS - 1] for each in counts.values())
 
 
 def test_a_warm_launch_checks_only_the_cached_winner_and_times_nothing(tf2, monkeypatch):
@@ -104,9 +163,7 @@ def test_cache_off_and_refresh_time_again(tf2, monkeypatch, switch):
     factory._decisions.clear()
     if switch == "cache":
         monkeypatch.setenv("SAFESTRATEGY_CACHE", "off")
-    timed = []
-    real = _timing.median_ms
-    monkeypatch.setattr(_timing, "median_ms", lambda *a, **k: timed.append(a[3]) or real(*a, **k))
+    timed = races_built(monkeypatch)
     report, fresh = factory.decide(cpus(2), refresh=switch == "refresh")
     assert fresh and len(timed) >= 2 and not any(c.cached for c in report.candidates)
 
