@@ -184,10 +184,7 @@ class _Checks:
         firsts: Dict[str, float] = {}
         for name in names:
             if self._elsewhere(name):
-                process = self._process()
-                timings[name] = process and _timing.in_probe_process(
-                    process, name, self.payload_mb, self.opts.timeout
-                )
+                timings[name] = self._probe_ms(name)
                 continue
             try:
                 if name not in self.races:  # checked small (a warm winner failed): warm up
@@ -207,6 +204,13 @@ class _Checks:
             timings[name] = _timing.median([first, *more])
         self.close_races()
         return {name: timings[name] for name in names}
+
+    def _probe_ms(self, name: str) -> Optional[float]:
+        """``name``'s median ms, timed in the probe process (None: it could not be)."""
+        process = self._process()
+        if process is None:
+            return None
+        return _timing.in_probe_process(process, name, self.payload_mb, self.opts.timeout)
 
     def _process(self) -> Optional[_probe.ProbeProcess]:
         """The probe process for this device set, started on first use (None: it cannot)."""
