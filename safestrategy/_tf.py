@@ -17,11 +17,6 @@ from packaging.version import InvalidVersion, Version
 
 from ._devices import Device, Visible, parse_device
 
-try:  # Python >= 3.8
-    from importlib import metadata as _metadata
-except ImportError:  # pragma: no cover - Python 3.6/3.7
-    import importlib_metadata as _metadata  # type: ignore[no-redef]
-
 #: Distributions that provide the ``tensorflow`` module, most common first.
 TF_DISTRIBUTIONS = (
     "tensorflow",
@@ -49,6 +44,12 @@ def tf_version() -> Optional[str]:
     module = sys.modules.get("tensorflow")
     if module is not None:
         return getattr(module, "__version__", None)
+    # here: ~35 ms that `import safestrategy` (and a process that imported TF) need not pay
+    try:  # Python >= 3.8
+        from importlib import metadata as _metadata
+    except ImportError:  # pragma: no cover - Python 3.6/3.7
+        import importlib_metadata as _metadata  # type: ignore[no-redef]
+
     for distribution in TF_DISTRIBUTIONS:
         try:
             return _metadata.version(distribution)
