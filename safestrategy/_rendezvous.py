@@ -11,7 +11,10 @@ all of them take the same decision without a leader.
 The listener stays open for all the rounds of one decision and closes at the
 end, before the strategy is built. The last thing a worker hears on its port
 is a peer's final message, which it has received and acked before closing:
-nobody sends to a port that TensorFlow already owns. The sender closes each
+nobody sends to a port that TensorFlow already owns. The other way round, a
+worker done with the rounds waits until every peer's listener is closed
+(knocking until the port refuses) before it builds, so TensorFlow never
+connects to a listener that then resets the connection. The sender closes each
 connection first, so no TIME_WAIT is left on the listening port.
 
 Every message carries the decision's ``session`` (the number of the
@@ -115,8 +118,40 @@ class Rendezvous:
         self.open()
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, error_type: Any, *exc_info: Any) -> None:
         self.close()
+        if error_type is None and self._finished:
+            self._until_peers_closed(IO_TIMEOUT)
+
+    def _until_peers_closed(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until no peer's port answers as a rendezvous.
+
+        A peer done with the last round may listen a moment longer (for the ack of its
+        own message). Had this worker built its strategy meanwhile, TensorFlow's gRPC
+        would connect to that listener, which resets the connection as it closes: TF
+        2.10's coordination agent took that as fatal, and its peer waited for it
+        forever (a CI run in three). A refused connection TensorFlow retries, so this
+        waits until each peer's port refuses, or answers as something else (its
+        TensorFlow server, already up).
+        """
+        deadline = time.monotonic() + timeout
+        listening = list(self.peers)
+        while listening and time.monotonic() < deadline:
+            listening = [peer for peer in listening if self._listens(peer)]
+            if listening:
+                time.sleep(0.05)
+
+    def _listens(self, peer: Address) -> bool:
+        """Whether ``peer``'s rendezvous still listens (one knock, bounded)."""
+        knock = (json.dumps({"protocol": PROTOCOL, "knock": True}) + "\n").encode("utf-8")
+        try:
+            with socket.create_connection((peer.host, peer.port), NOTICE_TIMEOUT) as s:
+                s.sendall(knock)
+                with s.makefile("rb") as stream:
+                    reply = json.loads(stream.readline(MAX_MESSAGE).decode("utf-8"))
+        except (OSError, ValueError):  # refused, reset as it closed, or not ours
+            return False
+        return isinstance(reply, dict) and reply.get("listening") is True
 
     def open(self) -> None:
         """Listen on this worker's port, on every interface (as TensorFlow's server will)."""
@@ -162,7 +197,8 @@ class Rendezvous:
                     message = json.loads(stream.readline(MAX_MESSAGE).decode("utf-8"))
                     if not isinstance(message, dict) or message.get("protocol") != PROTOCOL:
                         return  # not ours (e.g. a gRPC client): just hang up
-                    reply = self._receive(message)
+                    knock = message.get("knock") is True  # a peer waiting for us to close
+                    reply = {"listening": True} if knock else self._receive(message)
                     connection.sendall((json.dumps(reply) + "\n").encode("utf-8"))
                     connection.settimeout(2.0)
                     stream.read(MAX_MESSAGE)  # until the sender hangs up: it closes first

@@ -21,6 +21,8 @@ import sys
 import numpy as np
 
 GLOBAL_BATCH, STEPS, LEARNING_RATE, FEATURES = 8, 5, 0.1, 4
+#: Seconds the test waits for a worker.
+WAIT = 300
 
 
 def batch(step):
@@ -96,4 +98,8 @@ def main():
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    # A hang (once in a CI run on TF 2.10) leaves every thread's stack on stderr for the test.
+    faulthandler.dump_traceback_later(WAIT - 30)
     main()

@@ -210,6 +210,29 @@ def rendezvous_threads(n, rounds, timeout=10.0, delays=None, stop_after=None):
     return results, time.monotonic() - started
 
 
+def test_a_worker_done_first_builds_only_once_its_peers_stop_listening():
+    """A peer still listening (here: 1 s longer) would reset TensorFlow's first
+    connection when it closes; TF 2.10 then failed the worker, and the peer hung."""
+    a, b = (Address(f"worker:{i}", "127.0.0.1", p) for i, p in enumerate(free_ports(2)))
+    b_closing = []
+
+    def late_peer():
+        with Rendezvous(b, [a], 1) as rendezvous:
+            rendezvous.exchange("hello", "b", 10, "(test)")
+            time.sleep(1.0)
+            b_closing.append(time.monotonic())
+
+    thread = threading.Thread(target=late_peer, daemon=True)
+    thread.start()
+    with Rendezvous(a, [b], 1) as rendezvous:
+        rendezvous.exchange("hello", "a", 10, "(test)")
+    a_done = time.monotonic()
+    with pytest.raises(ConnectionRefusedError):  # what TensorFlow would meet: it retries
+        socket.create_connection((b.host, b.port), 1).close()
+    thread.join(15)
+    assert b_closing and a_done > b_closing[0]
+
+
 def test_workers_starting_at_different_times_all_get_every_message():
     results, _ = rendezvous_threads(3, ["hello", "verdict"], delays=[0.6, 0, 0.3])
     for task in ("worker:0", "worker:1", "worker:2"):
@@ -488,7 +511,7 @@ def test_the_cli_shows_the_multiworker_view(tf2):
 
 def test_two_workers_agree_and_train_like_one_process(tf2):
     """Two real worker processes on 127.0.0.1 (see tests/mw_worker.py for the steps)."""
-    from .mw_worker import train
+    from .mw_worker import WAIT, train
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     processes = []
@@ -504,7 +527,16 @@ def test_two_workers_agree_and_train_like_one_process(tf2):
                     cwd=str(ROOT),
                 )
             )
-        outputs = [process.communicate(timeout=300) for process in processes]
+        outputs = []
+        for process in processes:
+            outputs.append(process.communicate(timeout=WAIT))
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()
+        unread = processes[len(outputs) :]
+        stderr = [err for _, err in outputs] + [process.communicate()[1] for process in unread]
+        tails = "\n---\n".join(text[-6000:] for text in stderr)
+        pytest.fail(f"a worker hung; the workers' stderr, with their threads' stacks:\n{tails}")
     finally:
         for process in processes:
             if process.poll() is None:
