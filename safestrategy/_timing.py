@@ -55,9 +55,10 @@ def median(times: Sequence[float]) -> float:
 class Race:
     """One candidate's payload all-reduce, built and traced, ready to run again.
 
-    ``run()`` all-reduces once and returns what :meth:`first` reads the check's
-    numbers from; ``close()`` frees what the runs hold (a graph-mode session).
-    Build it, and call its methods, through :func:`in_fresh_thread`.
+    Made of ``run`` (one all-reduce, returning its results), ``values`` (the
+    check's numbers from those results, for :meth:`first`) and ``close`` (frees
+    what the runs hold: a graph-mode session). Build it, and call its methods,
+    through :func:`in_fresh_thread`.
     """
 
     def __init__(

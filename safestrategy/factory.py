@@ -150,15 +150,16 @@ class _Checks:
         if self.racing:
             started = time.monotonic()
             try:
-                ready = self._race(name, timeout)
+                checked = self._race(name, timeout)
             except Exception as error:
                 logger.debug("%s's payload race failed (%s): the smoke check decides", name, error)
             else:
-                result = judge(name, ready.values, len(self.devices), time.monotonic() - started)
+                seconds = time.monotonic() - started
+                result = judge(name, checked.values, len(self.devices), seconds)
                 if result.status == OK:
-                    self.races[name] = ready.race
+                    self.races[name] = checked.race
                 else:
-                    ready.race.close()
+                    checked.race.close()
                 return result
         return smoke_check(self.tf, self.era, self.names, name, self.config, timeout)
 

@@ -26,7 +26,8 @@ class CandidateResult(NamedTuple):
     cached: bool = False
     #: Environment variables that made it pass (an NCCL remedy); empty when none.
     remedy: Mapping[str, str] = {}
-    #: Median milliseconds of the timed all-reduce payload; None when not timed.
+    #: Median milliseconds of the timed all-reduce payload (of one run for a candidate
+    #: over 2x the fastest after one: it cannot win); None when not timed.
     ms: Optional[float] = None
 
     def line(self, timed: bool = False) -> str:
