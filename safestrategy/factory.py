@@ -406,9 +406,10 @@ def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
     read from the cache says so, and gives the command that re-checks it (``timeout``:
     the NCCL check's, part of the verdict's key)."""
     level = logging.WARNING if fresh else logging.DEBUG
+    stalled = {stall.backend for stall in report.stalls}  # their reasons say how to re-allow
     for failed in (r for r in report.candidates if r.status in (FAILED, TIMEOUT)):
         cached = ""
-        if failed.cached and "--refresh" not in failed.reason:  # a stall's reason quotes its own
+        if failed.cached and failed.name not in stalled:
             cached = f" ({_nccl.cached_note(report.devices, timeout, failed.name)})"
         logger.log(
             level,
