@@ -18,7 +18,7 @@ logical CPUs (TF2; a session's ``device_count`` on TF 1.x), then:
    ``cross_device_ops`` (TF >= 2.13: ``CollectiveAllReduce``; TF 1.15: what
    ``select_cross_device_ops`` picks, named in the output). A round builds the
    strategy afresh and takes the median of safestrategy's timer
-   (``_timing.batches_ms``: an untimed run, then ``RUNS`` runs of the batch all-reduce
+   (``checks.timing.batches_ms``: an untimed run, then ``RUNS`` runs of the batch all-reduce
    of ``payload_sizes(payload_mb)``, the way Keras reduces gradients).
 
 A variant's figure is the median over rounds (with ``--processes N``, the median
@@ -46,7 +46,7 @@ STOCK = "stock MirroredStrategy(devices)"
 def _configure(tf: Any, cpus: int) -> Any:
     """This process's CPUs as ``cpus`` devices; the TF 1.x session config (None on TF2)."""
     from safestrategy import _tf
-    from safestrategy._allreduce import graph_api, session_config
+    from safestrategy.checks.allreduce import graph_api, session_config
 
     if tf.__version__.startswith("2."):
         _tf.configure_logical_cpus(tf, cpus)
@@ -74,9 +74,9 @@ def _stock_ops_name(tf: Any, devices: Sequence[str], config: Any) -> str:
 def _round_ms(tf: Any, era: str, devices: List[str], name: Optional[str], mb: float, config: Any):
     """One round of one variant (None: stock, no cross_device_ops at all): a fresh
     strategy, safestrategy's timer (median of RUNS)."""
-    from safestrategy import _timing
+    from safestrategy.checks import allreduce, timing
 
-    return _timing.batches_ms(tf, era, devices, name, [_timing.payload_sizes(mb)], config)[0]
+    return timing.batches_ms(tf, era, devices, name, [allreduce.payload_sizes(mb)], config)[0]
 
 
 def child(cpus: int, rounds: int, mb: float) -> Dict[str, Any]:
@@ -86,8 +86,8 @@ def child(cpus: int, rounds: int, mb: float) -> Dict[str, Any]:
 
     import safestrategy
     from safestrategy import _tf
-    from safestrategy._allreduce import smoke_check
     from safestrategy.backends import BACKEND_NAMES, get_backend
+    from safestrategy.checks.allreduce import smoke_check
 
     config = _configure(tf, cpus)
     era = _tf.era(tf.__version__)

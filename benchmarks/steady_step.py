@@ -46,13 +46,13 @@ def _strategies(tf: Any, devices: List[str]) -> Dict[str, Any]:
     """Every variant's strategy, by label; the chosen backend as ``AUTO``'s note."""
     import safestrategy
     from safestrategy import _tf
-    from safestrategy._allreduce import smoke_check
     from safestrategy.backends import (
         BACKEND_NAMES,
         build_cross_device_ops,
         build_strategy,
         get_backend,
     )
+    from safestrategy.checks.allreduce import smoke_check
 
     era = _tf.era(tf.__version__)
     strategies = {AUTO: safestrategy.make_mirrored_strategy(devices)}

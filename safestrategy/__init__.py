@@ -12,8 +12,8 @@ import sys
 from typing import Any
 
 from .backends import BACKEND_NAMES
-from .factory import NoWorkingBackendError, last_report, make_mirrored_strategy, probe
-from .report import CandidateResult, Report
+from .factory import make_mirrored_strategy, probe
+from .report import CandidateResult, NoWorkingBackendError, Report, last_report
 
 if sys.version_info >= (3, 7):  # noqa: UP036  (3.6 is supported: TF 1.12)
 

@@ -3,7 +3,7 @@
 The table nccl-tests users know from ``all_reduce_perf``: for each size (bytes per
 replica, :data:`SIZES`: 4 KiB to 64 MiB by 4x) one float32 tensor per replica is
 all-reduced (sum) with the backend's own cross-device ops, the way
-:mod:`safestrategy._timing` times ``auto``'s payload (one strategy per backend, a
+:mod:`safestrategy.checks.timing` times ``auto``'s payload (one strategy per backend, a
 warm-up, then the median of :data:`RUNS`). ``algbw`` is bytes / time; ``busbw`` is
 ``algbw * 2(n-1)/n`` for n devices, nccl-tests' all-reduce factor, which makes the
 figure comparable across device counts (a ring moves ``2(n-1)/n`` of the data per link).
@@ -17,14 +17,15 @@ import importlib.util
 import os
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 
-from . import _nccl, _tf, _timing
-from ._allreduce import graph_api, session_config
-from ._devices import parse_devices
+from . import _tf
+from ._devices import cpu_count, parse_devices
+from .checks import nccl, timing
+from .checks.allreduce import graph_api, session_config
 from .report import OK, Report
 
 #: Bytes per replica: 4 KiB, 16 KiB, ..., 64 MiB.
 SIZES = tuple(4096 * 4**power for power in range(8))
-#: Timed runs per size, after one untimed (see :func:`safestrategy._timing.batches_ms`).
+#: Timed runs per size, after one untimed (see :func:`safestrategy.checks.timing.batches_ms`).
 RUNS = 5
 PLOT_INSTALL = "pip install 'safestrategy[bench]'  (or: pip install matplotlib)"
 
@@ -80,15 +81,15 @@ def measure(
     graph = graph_api(tf)
     config = None
     if graph is not None:  # TF 1.x: a session with the devices the report names
-        cpus = max([d.index + 1 for d in parsed if d.kind == "CPU"] or [1])
-        config = session_config(graph, cpus, gpus=any(d.kind == "GPU" for d in parsed))
+        gpus = any(d.kind == "GPU" for d in parsed)
+        config = session_config(graph, cpu_count(parsed), gpus=gpus)
     era = _tf.era(tf.__version__)
     for candidate in (c for c in report.candidates if c.status == OK):
         if before is not None:
             before(candidate.name)
-        _nccl.apply_remedy(candidate.remedy, devices)
+        nccl.apply_remedy(candidate.remedy, devices)
         batches = [[size // 4] for size in SIZES]
-        times = _timing.batches_ms(tf, era, devices, candidate.name, batches, config, timeout, RUNS)
+        times = timing.batches_ms(tf, era, devices, candidate.name, batches, config, timeout, RUNS)
         rows = [Row(size, ms) for size, ms in zip(SIZES, times)]
         yield Sweep(candidate.name, candidate.name == report.backend, rows)
 

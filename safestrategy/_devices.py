@@ -40,6 +40,12 @@ def parse_devices(names: Sequence[str]) -> Tuple[Device, ...]:
     return devices
 
 
+def cpu_count(devices: Sequence[Device]) -> int:
+    """How many CPU devices a set needs configured: its highest CPU index + 1, at least 1
+    (TF2's logical CPUs, a TF 1.x session's ``device_count``)."""
+    return max([device.index + 1 for device in devices if device.kind == "CPU"] or [1])
+
+
 class Visible(NamedTuple):
     """The devices TensorFlow has in the caller's process (see ``_tf.visible_devices``)."""
 

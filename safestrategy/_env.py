@@ -10,7 +10,7 @@ import math
 import os
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from .backends import BACKEND_NAMES
+from .backends import BACKEND_NAMES, COMMUNICATION_NAMES
 
 ENV_BACKEND = "SAFESTRATEGY_BACKEND"
 ENV_TIMEOUT = "SAFESTRATEGY_PROBE_TIMEOUT"
@@ -21,6 +21,9 @@ ENV_COMMUNICATION = "SAFESTRATEGY_COMMUNICATION"
 ENV_STALL_TIMEOUT = "SAFESTRATEGY_STALL_TIMEOUT"
 ENV_STALL_ACTION = "SAFESTRATEGY_STALL_ACTION"
 ENV_PAYLOAD = "SAFESTRATEGY_PAYLOAD_MB"
+#: TensorFlow's own variable naming the workers: read and validated by
+#: :mod:`safestrategy.multiworker.cluster`; here only its name (its presence picks the CLI's view).
+ENV_TF_CONFIG = "TF_CONFIG"
 
 #: Seconds one smoke check may take before it is abandoned.
 DEFAULT_TIMEOUT = 60.0
@@ -42,9 +45,6 @@ STALL_ACTIONS: Tuple[str, ...] = ("warn", "exit")
 #: Variables safestrategy itself set in ``os.environ`` (NCCL remedies), with the value it set:
 #: the user's environment is ``os.environ`` without them (see :func:`user_environ`).
 _applied: Dict[str, str] = {}
-
-#: ``MultiWorkerMirroredStrategy`` communications, in ``auto`` order.
-COMMUNICATION_NAMES: Tuple[str, ...] = ("nccl", "ring")
 
 
 def set_variable(name: str, value: str) -> None:

@@ -1,4 +1,8 @@
-"""Which machine this is, for cache keys: a verdict measured here must not be used elsewhere.
+"""Which machine this is: its OS (and WSL), and its identity for cache keys.
+
+``system()`` is the one place that asks which OS this is (the Windows seam
+tests patch it); ``is_wsl()`` reads the kernel release. The identity: a
+verdict measured here must not be used elsewhere.
 
 The GPUs' UUIDs name the hardware, so a home directory shared by a cluster
 never carries node A's verdict to node B, and a container whose host name
@@ -16,10 +20,34 @@ process.
 import functools
 import glob
 import os
+import platform
 import re
 import shutil
 import subprocess
 from typing import Any, Dict, List, Optional
+
+
+def system() -> str:
+    """The OS name as ``platform.system()`` reports it ("Linux", "Windows", ...)."""
+    return platform.system()
+
+
+def _kernel_release() -> Optional[str]:
+    """Linux's kernel release string, or None where there is none to read."""
+    try:
+        with open("/proc/sys/kernel/osrelease") as release:
+            return release.read()
+    except OSError:
+        return None
+
+
+def is_wsl() -> bool:
+    """True on Linux under Windows Subsystem for Linux, where NCCL is often absent."""
+    if system() != "Linux":
+        return False
+    release = _kernel_release()
+    return release is not None and "microsoft" in release.lower()
+
 
 _UUID = re.compile(r"\b(GPU-[0-9a-fA-F-]{8,})")
 

@@ -58,7 +58,8 @@ def tf_version() -> Optional[str]:
     return None
 
 
-def _release(version: str) -> Version:
+def release(version: str) -> Version:
+    """The release of a version string (2.21.0rc1 -> 2.21.0); an unparseable one is 2."""
     try:
         return Version(Version(version).base_version)
     except InvalidVersion:
@@ -67,18 +68,18 @@ def _release(version: str) -> Version:
 
 def tf_api(version: str) -> str:
     """Which MirroredStrategy API a version has: "tf1-contrib", "tf1" or "tf2"."""
-    release = _release(version)
-    if release < Version("1.13"):
+    number = release(version)
+    if number < Version("1.13"):
         return "tf1-contrib"
-    return "tf1" if release < Version("2") else "tf2"
+    return "tf1" if number < Version("2") else "tf2"
 
 
 def era(version: str) -> str:
     """Where the cross-device-ops classes live (see :data:`safestrategy.backends.ERAS`)."""
-    release = _release(version)
-    if release < Version("1.13"):
+    number = release(version)
+    if number < Version("1.13"):
         return "contrib-tower"
-    return "contrib-device" if release < Version("1.14") else "distribute"
+    return "contrib-device" if number < Version("1.14") else "distribute"
 
 
 def list_physical_devices(tf: Any, kind: str) -> List[Any]:
@@ -274,13 +275,12 @@ def virtual_gpus(tf: Any) -> bool:
     return len(lister("GPU")) > len(list_physical_devices(tf, "GPU"))
 
 
-def xla_auto_jit(tf: Any) -> bool:
-    """XLA auto-clustering is known to be on: ``TF_XLA_FLAGS`` has ``--tf_xla_auto_jit``
-    with a value that turns it on, or ``tf.config.optimizer.get_jit()`` says so (TF2).
-    (A Keras ``jit_compile`` is set later, on the model: it cannot be known here.)"""
-    from ._env import xla_auto_jit_flag
-
-    if xla_auto_jit_flag():
+def xla_auto_jit(tf: Any, flag: bool) -> bool:
+    """XLA auto-clustering is known to be on: ``flag`` (``TF_XLA_FLAGS`` turns it on, as
+    :func:`safestrategy._env.xla_auto_jit_flag` reads it), or ``tf.config.optimizer.get_jit()``
+    says so (TF2). (A Keras ``jit_compile`` is set later, on the model: it cannot be known
+    here.)"""
+    if flag:
         return True
     try:
         return bool(tf.config.optimizer.get_jit())

@@ -13,7 +13,7 @@ cost before; the price is one walk over the threads' stacks per sample.
 
 Deciding is pure (:func:`outermost_call`, :func:`advance`, :func:`message`);
 :func:`watch` starts the thread, which logs, records the stall
-(:mod:`safestrategy._stalls`) and, with ``SAFESTRATEGY_STALL_ACTION=exit``,
+(:mod:`safestrategy.checks.stalls`) and, with ``SAFESTRATEGY_STALL_ACTION=exit``,
 ends the process with :data:`EXIT_CODE`.
 """
 
@@ -27,9 +27,10 @@ import time
 import traceback
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
-from . import _env, _probe, _stalls, _tf
-from ._nccl import REMEDIES
-from .backends import BACKEND_NAMES
+from . import _env, _tf
+from .backends import BACKEND_NAMES, COLLECTIVE, COMMUNICATION_NAMES, NCCL
+from .checks import probe, stalls
+from .checks.nccl import REMEDIES
 from .report import Report
 
 logger = logging.getLogger("safestrategy")
@@ -172,17 +173,17 @@ def stack_text(frame: Any, entry: Any) -> str:
 
 def _remedies(backend: str, multiworker: bool, nccl: Mapping[str, str]) -> List[str]:
     tips = []
-    if backend in ("nccl", "collective", "NcclAllReduce"):
+    if backend in (NCCL, COLLECTIVE, "NcclAllReduce"):
         fixes = [f"{n}=1" for n, _ in REMEDIES if n not in nccl]
         if fixes:
             tips.append(f"NCCL's own fixes, one at a time: {', then '.join(fixes)}")
         tips.append("NCCL_DEBUG=INFO shows where NCCL waits")
     variable, names = (
-        (_env.ENV_COMMUNICATION, _env.COMMUNICATION_NAMES)
+        (_env.ENV_COMMUNICATION, COMMUNICATION_NAMES)
         if multiworker
         else (_env.ENV_BACKEND, BACKEND_NAMES)
     )
-    others = [name for name in names if name not in (backend, "nccl")]  # the safe ones
+    others = [name for name in names if name not in (backend, NCCL)]  # the safe ones
     if others:
         tips.append(
             f"another backend: {variable}={others[0]}"
@@ -236,7 +237,7 @@ def _explained(
     if report is not None:
         lines.append(
             f"The stall is recorded: the next automatic choice on these devices skips "
-            f"{backend} (`{_stalls.refresh_command(report.devices)}` re-allows it)."
+            f"{backend} (`{stalls.refresh_command(report.devices)}` re-allows it)."
         )
     lines.append(closing)
     return "\n".join(lines)
@@ -298,9 +299,20 @@ def _thread_name(ident: int) -> str:
     return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
 
 
+def _nccl_variables() -> Dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
+
+
+def _stalled(text: str, report: Optional[Report], seconds: float) -> None:
+    """Log a stall's ERROR and record it against ``report``'s backend (if any)."""
+    logger.error(text)
+    if report is not None:
+        tf = sys.modules.get("tensorflow") or _tf.import_tf()
+        stalls.record(tf, report, seconds)
+
+
 def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
     report = _report
-    tf = sys.modules.get("tensorflow") or _tf.import_tf()
     if event.what == FINISHED:
         logger.info(
             "the TensorFlow call on thread %r that stalled finished after all, after about "
@@ -310,23 +322,14 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
             "; the stall record is withdrawn" if report is not None else "",
         )
         if report is not None:
-            _stalls.withdraw(tf, report)
+            stalls.withdraw(sys.modules.get("tensorflow") or _tf.import_tf(), report)
         return
-    nccl = {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
     stack = stack_text(frame, event.watched.call) if frame is not None else "  (gone)"
-    logger.error(
-        message(
-            event.seconds,
-            event.watched.kind,
-            _thread_name(event.thread),
-            stack,
-            report,
-            nccl,
-            settings,
-        )
+    thread = _thread_name(event.thread)
+    text = message(
+        event.seconds, event.watched.kind, thread, stack, report, _nccl_variables(), settings
     )
-    if report is not None:
-        _stalls.record(tf, report, event.seconds)
+    _stalled(text, report, event.seconds)
     if settings.action == "exit":
         _exit()
 
@@ -346,7 +349,7 @@ def _flush_logs() -> None:
 def _exit() -> None:
     """End the process now: the stuck thread never returns, so no normal exit can."""
     _flush_logs()
-    _probe.close_all()
+    probe.close_all()
     os._exit(EXIT_CODE)
 
 
@@ -399,9 +402,6 @@ def _collective_timeout(timeout: float, error: BaseException, trace: Any) -> Non
     report = _report
     kept = [entry for entry in traceback.extract_tb(trace) if not _is_library(entry.filename)]
     stack = "".join(traceback.StackSummary.from_list(kept).format()).rstrip()
-    nccl = {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
-    logger.error(collective_timeout_message(timeout, error, stack, report, nccl))
-    if report is not None:
-        tf = sys.modules.get("tensorflow") or _tf.import_tf()
-        _stalls.record(tf, report, timeout)
+    text = collective_timeout_message(timeout, error, stack, report, _nccl_variables())
+    _stalled(text, report, timeout)
     _flush_logs()

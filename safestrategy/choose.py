@@ -1,17 +1,25 @@
-"""Pure decision logic: (setting, devices, check results, timings) -> which backend.
+"""The one chooser: (setting, check, timer) -> which backend, and the words that explain it.
 
-Nothing here imports TensorFlow or runs anything; the smoke check and the
-timer are passed in as functions, so every path can be tested from hand-built
-inputs. ``auto`` takes the fastest candidate that sums right (the 3 % rule in
-:func:`fastest`); a list or a forced name, the first that passes.
+It serves ``make_mirrored_strategy``, ``make_multiworker_strategy`` and
+``nccl_ops``: each passes in how a candidate is checked, which candidates
+cannot apply (and why), and how ``auto`` picks. Nothing here imports
+TensorFlow or runs anything, so every path can be tested from hand-built
+inputs. A racing ``auto`` (one machine) checks every candidate and takes the
+fastest that sums right (the 3 % rule in :func:`fastest`); a list, a forced
+name, or an ``auto`` that does not race (multi-worker, ``nccl_ops``) takes
+the first that passes. :func:`log_fallback` writes the one fallback WARNING
+all three log.
 """
 
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
+import logging
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from ._devices import Device
 from ._env import ENV_BACKEND, Setting
-from .backends import BACKEND_NAMES, get_backend
-from .report import NOT_TRIED, OK, SKIPPED, CandidateResult
+from .backends import BACKEND_NAMES
+from .report import FAILED, NOT_TRIED, OK, SKIPPED, TIMEOUT, CandidateResult, Report
+
+logger = logging.getLogger("safestrategy")
 
 SINGLE_DEVICE_REASON = "one device: there is nothing to all-reduce, so nothing was checked"
 
@@ -20,14 +28,12 @@ SINGLE_DEVICE_REASON = "one device: there is nothing to all-reduce, so nothing w
 #: the earlier is within this fraction of the fastest median: a stable, deterministic choice.
 MARGIN = 0.03
 
-#: Before the full timing, each candidate that passed runs the payload once; only those
-#: within this factor of the fastest such run are run again (see :func:`contenders`).
-SCREEN = 2.0
-
 Check = Callable[[str], CandidateResult]
 #: Times the candidates that passed: for each, the median milliseconds of its payload
 #: all-reduce, or None when it could not be timed.
 Timer = Callable[[Sequence[str]], Mapping[str, Optional[float]]]
+#: Why a candidate won without a race, in the caller's words: (setting, chosen, results).
+Why = Callable[[Setting, Optional[str], Sequence[CandidateResult]], str]
 
 
 class Planned(NamedTuple):
@@ -52,29 +58,26 @@ class Decision(NamedTuple):
         return tuple(r for r in self.results if r.status not in (OK, SKIPPED, NOT_TRIED))
 
 
-def plan(
-    setting: Setting, devices: Sequence[Device], unavailable: Optional[Mapping[str, str]] = None
-) -> Tuple[Planned, ...]:
+def plan(setting: Setting, unavailable: Optional[Mapping[str, str]] = None) -> Tuple[Planned, ...]:
     """The candidates to try. ``auto`` skips what cannot apply (``unavailable``: name ->
-    why, e.g. ``collective`` where it is not TF's default); a list or a name skips nothing."""
+    why, e.g. a GPU backend without a GPU, ``collective`` where it is not TF's default);
+    a list or a name skips nothing."""
+    unavailable = unavailable if setting.mode == "auto" and unavailable else {}
+    return tuple(Planned(name, unavailable.get(name)) for name in setting.names)
+
+
+def single_device(setting: Setting, device: Device) -> Decision:
+    """One device: nothing to all-reduce, so nothing is checked. ``auto`` takes the
+    reduction on that device, never NCCL (older TensorFlow still builds the op for one
+    device); a list or a forced name, its first."""
     if setting.mode != "auto":
-        return tuple(Planned(name) for name in setting.names)
-    gpu = any(device.kind == "GPU" for device in devices)
-    unavailable = unavailable or {}
-
-    def skip(name: str) -> Optional[str]:
-        if get_backend(name).needs_gpu and not gpu:
-            return "no GPU among the devices"
-        return unavailable.get(name)
-
-    return tuple(Planned(name, skip(name)) for name in setting.names)
-
-
-def _single_device_choice(setting: Setting, devices: Sequence[Device]) -> str:
-    if setting.mode != "auto":
-        return setting.names[0]
-    # Never NCCL: older TensorFlow still builds the op for one device.
-    return "reduce_to_gpu" if devices[0].kind == "GPU" else "reduce_to_cpu"
+        chosen = setting.names[0]
+    else:
+        chosen = "reduce_to_gpu" if device.kind == "GPU" else "reduce_to_cpu"
+    results = tuple(
+        CandidateResult(name, NOT_TRIED, SINGLE_DEVICE_REASON) for name in setting.names
+    )
+    return Decision(chosen, SINGLE_DEVICE_REASON, results)
 
 
 def _ms(value: float) -> str:
@@ -100,17 +103,6 @@ def fastest(timed: Sequence[Tuple[str, float]]) -> Tuple[str, str]:
     if others:
         why += "; " + ", ".join(f"{other} {_ms(value)}" for other, value in others)
     return name, why
-
-
-def contenders(first_runs: Mapping[str, float]) -> Set[str]:
-    """The candidates worth timing in full, given one timed run of each (milliseconds):
-    those within :data:`SCREEN` of the fastest. The others cannot win by the 3 % rule
-    unless a run is more than twice as slow as the next by chance; their one run stands
-    as their time, which spares a cold start their slow runs."""
-    if not first_runs:
-        return set()
-    best = min(first_runs.values())
-    return {name for name, ms in first_runs.items() if ms <= best * SCREEN}
 
 
 def _auto_choice(results: List[CandidateResult], time: Optional[Timer]) -> Decision:
@@ -148,29 +140,26 @@ def _warm(
 
 def decide(
     setting: Setting,
-    devices: Sequence[Device],
     check: Check,
     time: Optional[Timer] = None,
     unavailable: Optional[Mapping[str, str]] = None,
     remembered: Optional[Decision] = None,
+    *,
+    race: bool = True,
+    why: Optional[Why] = None,
 ) -> Decision:
     """The decision, calling ``check(name)`` for smoke checks and ``time(names)`` to time.
 
-    ``auto`` checks every applicable candidate and takes the fastest that passed
-    (:func:`fastest`); given ``remembered`` (an earlier ``auto`` decision for the same
-    machine, devices and payload) it checks only that winner and times nothing, and
-    decides afresh if the winner fails now. A list or a forced name takes the first
-    that passes in the user's order, timing nothing.
+    With ``race`` (one machine), ``auto`` checks every applicable candidate and takes the
+    fastest that passed (:func:`fastest`); given ``remembered`` (an earlier ``auto``
+    decision for the same machine, devices and payload) it checks only that winner and
+    times nothing, and decides afresh if the winner fails now. A list, a forced name, or
+    an ``auto`` that does not race takes the first that passes in order, timing nothing,
+    and says why in ``why``'s words (default :func:`explain`).
     """
-    if len(devices) < 2:
-        chosen = _single_device_choice(setting, devices)
-        results = tuple(
-            CandidateResult(name, NOT_TRIED, SINGLE_DEVICE_REASON) for name in setting.names
-        )
-        return Decision(chosen, SINGLE_DEVICE_REASON, results)
-    auto = setting.mode == "auto"
+    racing = race and setting.mode == "auto"
     known: Dict[str, CandidateResult] = {}
-    if auto and remembered is not None:
+    if racing and remembered is not None:
         warm, failed = _warm(remembered, check)
         if warm is not None:
             return warm
@@ -178,7 +167,7 @@ def decide(
             known[failed.name] = failed
     results: List[CandidateResult] = []
     chosen = None
-    for candidate in plan(setting, devices, unavailable):
+    for candidate in plan(setting, unavailable):
         if candidate.skip is not None:
             results.append(CandidateResult(candidate.name, SKIPPED, candidate.skip))
         elif chosen is not None:
@@ -186,11 +175,16 @@ def decide(
         else:
             result = known.get(candidate.name) or check(candidate.name)
             results.append(result)
-            if result.status == OK and not auto:
+            if result.status == OK and not racing:
                 chosen = result.name
-    if auto:
+    if racing:
         return _auto_choice(results, time)
-    return Decision(chosen, _why(setting.mode, chosen, results), tuple(results))
+    return Decision(chosen, (why or explain)(setting, chosen, results), tuple(results))
+
+
+def explain(setting: Setting, chosen: Optional[str], results: Sequence[CandidateResult]) -> str:
+    """Why a listed or forced backend won: the one machine's words (see :func:`_why`)."""
+    return _why("forced" if setting.mode == "forced" else "first", chosen, results)
 
 
 def _why(lead: str, chosen: Optional[str], results: Sequence[CandidateResult]) -> str:
@@ -221,6 +215,62 @@ def listing(headline: str, results: Sequence[CandidateResult], advice: str) -> s
     """A ``NoWorkingBackendError`` message: the headline, every candidate and why, advice."""
     lines = [headline, *(f"  {r.name}: {r.status}: {r.reason}" for r in results), advice]
     return "\n".join(lines)
+
+
+def first_line(text: str) -> str:
+    """The first line of a reason ("" when there is none)."""
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def log_fallback(
+    level: int,
+    subject: str,
+    status: str,
+    reason: str,
+    where: str,
+    instead: str,
+    advice: str,
+    note: str = "",
+    failed: str = "failed",
+) -> None:
+    """The one fallback WARNING (at ``level``): ``subject`` (e.g. "all-reduce backend nccl")
+    timed out or ``failed`` ``where`` ("on /gpu:0, /gpu:1"), why (the first line of
+    ``reason``, then ``note``), what is used ``instead``, and ``advice``: how to choose."""
+    logger.log(
+        level,
+        "%s %s %s (%s)%s; %s instead. %s",
+        subject,
+        "timed out" if status == TIMEOUT else failed,
+        where,
+        first_line(reason),
+        note,
+        instead,
+        advice,
+    )
+
+
+def log_fallbacks(
+    report: Report,
+    level: int,
+    what: str,
+    where: str,
+    hint: str,
+    note: Callable[[CandidateResult], str] = lambda result: "",
+) -> None:
+    """:func:`log_fallback` for each candidate of ``report`` that failed or timed out:
+    ``what`` names the kind ("all-reduce backend"), ``hint`` how to choose yourself."""
+    for result in report.candidates:
+        if result.status in (FAILED, TIMEOUT):
+            log_fallback(
+                level,
+                f"{what} {result.name}",
+                result.status,
+                result.reason,
+                where,
+                f"using {report.backend}",
+                f"To choose yourself, {hint}.",
+                note(result),
+            )
 
 
 def failure_message(

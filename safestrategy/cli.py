@@ -1,6 +1,6 @@
 """The command line: the probe report for this machine, as text or JSON.
 
-With ``TF_CONFIG`` set it shows the multi-worker view (:mod:`safestrategy._mw_cli`).
+With ``TF_CONFIG`` set it shows the multi-worker view (:mod:`safestrategy.multiworker.cli`).
 ``--benchmark`` then times every backend that passed over a range of sizes
 (:mod:`safestrategy._benchmark`), ``--plot FILE.png`` draws it. Text output shows
 progress as it goes: each candidate's result as it comes, and the elapsed time
@@ -20,20 +20,20 @@ import time
 from typing import Any, Iterator, List, Optional, Sequence
 
 from . import _benchmark, _tf
-from ._cluster import ENV_TF_CONFIG
-from ._devices import Device, parse_devices
+from ._devices import Device, cpu_count, parse_devices
 from ._env import (
     DEFAULT_TIMEOUT,
     ENV_BACKEND,
     ENV_CACHE,
     ENV_CACHE_DIR,
     ENV_NCCL_REMEDIES,
+    ENV_TF_CONFIG,
     ENV_TIMEOUT,
     resolve_timeout,
 )
 from .backends import BACKENDS
-from .factory import NoWorkingBackendError, decide
-from .report import OK, CandidateResult, Report
+from .factory import decide
+from .report import OK, CandidateResult, NoWorkingBackendError, Report
 
 #: Seconds without output after which the text view says how long it has been working.
 PROGRESS_EVERY = 5.0
@@ -143,7 +143,7 @@ def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
     This process is the CLI's own, so it can do what a training script does to
     mirror over CPUs (the library never changes its caller's device set-up).
     """
-    cpus = max([d.index + 1 for d in devices or () if d.kind == "CPU"] or [1])
+    cpus = cpu_count(devices or ())
     if cpus > 1 and (_tf.tf_version() or "").startswith("2."):
         with contextlib.suppress(RuntimeError):  # already started: the devices are what they are
             _tf.configure_logical_cpus(_tf.import_tf(), cpus)
@@ -162,9 +162,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         return 2
     if os.environ.get(ENV_TF_CONFIG, "").strip():  # TensorFlow's own variable: multi-worker
-        from . import _mw_cli
+        # here: the multi-worker wing (sockets and all) only when TF_CONFIG asks for it
+        from .multiworker import cli as multiworker_cli
 
-        return _mw_cli.main(args)
+        return multiworker_cli.main(args)
 
     armed = threading.Event()
 

@@ -62,13 +62,13 @@ import logging
 import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from . import _nccl
+from . import choose
 from ._devices import Device, parse_device
 from ._env import ENV_BACKEND, Setting, resolve_backend
 from ._tf import import_tf, tf_nccl_ops
-from .backends import CPU_DEVICE
-from .factory import NoWorkingBackendError
-from .report import OK, TIMEOUT, CandidateResult
+from .backends import COLLECTIVE, CPU_DEVICE, NCCL
+from .checks import nccl
+from .report import FAILED, OK, CandidateResult, NoWorkingBackendError
 
 __all__ = ["all_max", "all_min", "all_prod", "all_sum", "broadcast", "reduce_sum"]
 
@@ -77,8 +77,6 @@ logger = logging.getLogger("safestrategy")
 #: Marks this module as a stand-in for TensorFlow's (``_tf.DROP_IN``): aliased under
 #: TensorFlow's name, it is never taken for the module it replaces.
 _safestrategy_drop_in = True
-
-NCCL = _nccl.NCCL
 
 #: The dtypes TensorFlow's Nccl* ops accept (their ``T`` attribute; the same in TF 1.12-2.21).
 NCCL_DTYPES = ("float16", "float32", "float64", "int32", "int64")
@@ -353,58 +351,88 @@ def _decision(tensors: Sequence[Any]) -> _Decision:
     return decision
 
 
+#: Why a candidate other than NCCL always "passes" here: it is made of ordinary ops.
+REDUCE_AND_COPY = "reduce on one device and copy back: ordinary ops, nothing to check"
+
+
+def _reduce_on(backend: Optional[str]) -> Optional[str]:
+    """Where the equivalent reduces for the setting's chosen fallback (None: the first
+    input's device): ``reduce_to_cpu`` reduces on the CPU."""
+    return CPU_DEVICE if backend == "reduce_to_cpu" else None
+
+
+def _not_for_nccl(devices: Sequence[str], parsed: Sequence[Optional[Device]]) -> Optional[str]:
+    """Why NCCL cannot apply to tensors on ``devices`` (None: it can; check it)."""
+    local = [device for device in parsed if device is not None]
+    not_gpu = next((device for device in local if device.kind != "GPU"), None)
+    if len(local) < len(parsed):
+        return f"NCCL needs local GPUs, and {devices[list(parsed).index(None)]} is not one"
+    if not_gpu is not None:
+        return f"NCCL needs every tensor on a GPU, and one is on {not_gpu}"
+    if len(set(local)) < len(local):
+        return "NCCL needs each tensor on its own GPU, and two share one"
+    return None
+
+
 def _decide(
     devices: Sequence[str],
     setting: Setting,
     check: Callable[[Tuple[Device, ...]], CandidateResult],
 ) -> _Decision:
-    """Pure: NCCL or reduce-and-copy for tensors on ``devices``, given the setting.
-
-    ``check(devices)`` runs NCCL's smoke check; it is called only when every
-    input is on its own GPU and the setting asks for NCCL first. A forced
-    ``nccl`` that cannot work raises ``NoWorkingBackendError``.
+    """NCCL or reduce-and-copy for tensors on ``devices``, given the setting: the chooser
+    (:func:`safestrategy.choose.decide`) takes the first of the setting's names that
+    passes, in its order (``auto``: the documented order; ``collective``, a strategy's
+    all-reduce, is no candidate here). Only NCCL is checked: ``check(devices)`` runs its
+    smoke check, called only when every input is on its own GPU; every other name is the
+    equivalent, which always works. A forced ``nccl`` that cannot work raises
+    ``NoWorkingBackendError``.
     """
     names = ",".join(setting.names)
-    # ``collective`` is a strategy's all-reduce, with no nccl_ops counterpart: not a candidate
-    candidates = [name for name in setting.names if name != "collective"]
-    fallbacks = [name for name in candidates if name != NCCL]
-    reduce_on = CPU_DEVICE if fallbacks[:1] == ["reduce_to_cpu"] else None
-    if candidates[:1] != [NCCL]:
-        return _Decision(False, f"{ENV_BACKEND}={names} does not start with nccl", reduce_on)
+    candidates = tuple(name for name in setting.names if name != COLLECTIVE)
+    starts = candidates[:1] == (NCCL,)
     parsed = [_parse(name) for name in devices]
     local = tuple(device for device in parsed if device is not None)
-    if len(local) == 1 and len(parsed) == 1:
-        return _Decision(False, "one tensor: there is nothing to all-reduce", reduce_on)
-    result = None
-    not_gpu = next((device for device in local if device.kind != "GPU"), None)
-    if len(local) < len(parsed):
-        reason = f"NCCL needs local GPUs, and {devices[parsed.index(None)]} is not one"
-    elif not_gpu is not None:
-        reason = f"NCCL needs every tensor on a GPU, and one is on {not_gpu}"
-    elif len(set(local)) < len(local):
-        reason = "NCCL needs each tensor on its own GPU, and two share one"
-    else:
-        result = check(local)
-        if result.status == OK:
-            return _Decision(True, f"NCCL smoke check passed: {result.reason}", check=result)
-        reason = result.reason.strip().splitlines()[0] if result.reason.strip() else result.status
-    if setting.mode == "forced":
+    if starts and len(local) == 1 and len(parsed) == 1:
+        fallback = next((name for name in candidates if name != NCCL), None)
+        return _Decision(False, "one tensor: there is nothing to all-reduce", _reduce_on(fallback))
+    checked: List[CandidateResult] = []
+
+    def attempt(name: str) -> CandidateResult:
+        if name != NCCL:
+            return CandidateResult(name, OK, REDUCE_AND_COPY)
+        why_not = _not_for_nccl(devices, parsed)
+        if why_not is not None:
+            return CandidateResult(NCCL, FAILED, why_not)
+        checked.append(check(local))
+        return checked[-1]
+
+    decision = choose.decide(setting._replace(names=candidates), attempt, race=False)
+    result = checked[0] if checked else None
+    if not starts:
+        reason = f"{ENV_BACKEND}={names} does not start with nccl"
+        return _Decision(False, reason, _reduce_on(decision.backend))
+    if decision.backend == NCCL and result is not None:
+        return _Decision(True, f"NCCL smoke check passed: {result.reason}", check=result)
+    failed = decision.results[0]
+    reason = choose.first_line(failed.reason) or failed.status
+    if decision.backend is None:  # a forced nccl
         if result is not None and result.cached:  # the timeout _smoke_check used: the key's
-            reason += f" ({_nccl.cached_note(local, _nccl.options().timeout)})"
+            reason += f" ({nccl.cached_note(local, nccl.options().timeout)})"
         raise NoWorkingBackendError(
             f"{ENV_BACKEND}=nccl forces NCCL for safestrategy.nccl_ops on {', '.join(devices)}, "
             f"but it cannot be used there: {reason}. Unset it, or list a fallback "
             f"(e.g. {ENV_BACKEND}=nccl,reduce_to_cpu).",
             None,
         )
-    return _Decision(False, reason, reduce_on, result)
+    return _Decision(False, reason, _reduce_on(decision.backend), result)
 
 
 def _smoke_check(devices: Tuple[Device, ...]) -> CandidateResult:
-    """NCCL's verdict on ``devices``: the same mechanism as the factory's (see ``_nccl``)."""
-    result = _nccl.verdict(import_tf(), devices, _nccl.options())
+    """NCCL's verdict on ``devices``: the same mechanism as the factory's (see
+    :mod:`safestrategy.checks.nccl`)."""
+    result = nccl.verdict(import_tf(), devices, nccl.options())
     if result.status == OK and result.remedy:
-        _nccl.apply_remedy(result.remedy, devices)
+        nccl.apply_remedy(result.remedy, devices)
     return result
 
 
@@ -419,18 +447,19 @@ def _log(decision: _Decision, devices: Sequence[str]) -> None:
     if check is None:
         logger.info("nccl_ops on %s: not using NCCL (%s); %s", where, decision.reason, instead)
         return
-    timeout = _nccl.options().timeout  # the one _smoke_check used: part of the verdict's key
+    timeout = nccl.options().timeout  # the one _smoke_check used: part of the verdict's key
     if check.cached:
-        again = f" ({_nccl.cached_note(devices, timeout)})"
+        again = f" ({nccl.cached_note(devices, timeout)})"
     else:
-        again = f"; `{_nccl.recheck_command(devices, timeout)}` checks NCCL again"
-    logger.warning(
-        "NCCL %s on %s (%s)%s; safestrategy.nccl_ops is %s instead. Set %s=reduce_to_cpu "
-        "to reduce on the CPU.",
-        "timed out" if check.status == TIMEOUT else "failed its smoke check",
-        where,
+        again = f"; `{nccl.recheck_command(devices, timeout)}` checks NCCL again"
+    choose.log_fallback(
+        logging.WARNING,
+        "NCCL",
+        check.status,
         decision.reason,
+        f"on {where}",
+        f"safestrategy.nccl_ops is {instead}",
+        f"Set {ENV_BACKEND}=reduce_to_cpu to reduce on the CPU.",
         again,
-        instead,
-        ENV_BACKEND,
+        failed="failed its smoke check",
     )

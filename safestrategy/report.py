@@ -1,6 +1,11 @@
-"""The frozen report: one record that serves the API, the logs and the CLI."""
+"""The frozen report: one record that serves the API, the logs and the CLI.
+
+Also what every factory shares about its outcome, so that none imports another
+for it: :class:`NoWorkingBackendError` and :func:`last_report`.
+"""
 
 import json
+import threading
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 OK = "ok"
@@ -131,3 +136,31 @@ class Report(NamedTuple):
             lines.append("stalls recorded (python -m safestrategy --refresh forgets them)")
             lines.extend(stall.line() for stall in self.stalls)
         return "\n".join(lines)
+
+
+class NoWorkingBackendError(RuntimeError):
+    """No candidate backend passed its smoke check; ``report`` says why for each.
+
+    (``report`` is None when ``safestrategy.nccl_ops`` raises it: there is no strategy.)
+    """
+
+    def __init__(self, message: str, report: Optional[Report]) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+_last_report: Optional[Report] = None
+_last_report_lock = threading.Lock()
+
+
+def last_report() -> Optional[Report]:
+    """The report of the last ``make_mirrored_strategy`` (or ``make_multiworker_strategy``)
+    call, or None."""
+    return _last_report
+
+
+def set_last_report(report: Report) -> None:
+    """Make ``report`` what :func:`last_report` returns (each factory calls this)."""
+    global _last_report
+    with _last_report_lock:
+        _last_report = report

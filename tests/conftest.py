@@ -89,11 +89,12 @@ class Fake:
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path, tf):
-    from safestrategy import _devices, _probe, _tf
+    from safestrategy import _devices, _tf
+    from safestrategy.checks import probe as _probe
 
     gpus = tuple(_devices.Device("GPU", i) for i in range(4))
     visible = _devices.Visible((_devices.Device("CPU", 0), *gpus), any_cpu=True)
-    monkeypatch.setattr(_probe, "WORKER_COMMAND", [sys.executable, FAKE_WORKER])
+    monkeypatch.setattr(_probe, "CHILD_COMMAND", [sys.executable, FAKE_WORKER])
     monkeypatch.setattr(_tf, "visible_devices", lambda tf: visible)
     monkeypatch.setattr(_tf, "nccl_kernel_count", lambda tf: 1)
     return Fake(monkeypatch, tmp_path)
@@ -125,6 +126,15 @@ def tf1(tf):
     if tf.__version__.startswith("2."):
         pytest.skip(f"needs TF 1.x graph mode; this is TF {tf.__version__}")
     return tf
+
+
+def all_reduced(tf, strategy):
+    """TF2: every replica's (device, [first, last]) after one sum all-reduce through
+    ``strategy``'s own cross-device ops, replica i contributing i + 1 (the smoke check's)."""
+    from safestrategy.checks import allreduce
+
+    inputs = allreduce.payload(tf, strategy.extended.worker_devices, [allreduce.VECTOR_SIZE])
+    return allreduce.eager_race(tf, strategy, inputs).first()
 
 
 def session_config(tf, n=LOGICAL_CPUS):

@@ -54,8 +54,8 @@ for condition, broken in (("hang-unless-", "hang"), ("error-unless-", "nccl-erro
     if behaviour.startswith(condition):
         behaviour = "ok" if behaviour[len(condition) :] in os.environ else broken
 
-from safestrategy._probe import PREFIX  # noqa: E402  (after the banner, as in real life)
-from safestrategy._worker import connect  # noqa: E402
+from safestrategy.checks.child import connect  # noqa: E402
+from safestrategy.checks.probe import PREFIX  # noqa: E402  (after the banner, as in real life)
 
 raw_stdout = os.fdopen(os.dup(1), "w")  # the protocol stream, for "garbage" to write into
 request = json.loads(sys.argv[1])

@@ -64,7 +64,7 @@ def main():
     import tensorflow as tf
 
     import safestrategy
-    from safestrategy import multiworker
+    from safestrategy.multiworker import factory as multiworker
 
     result = {}
     try:

@@ -29,7 +29,9 @@ import numpy as np
 import tensorflow as tf
 
 import safestrategy
-from safestrategy import _probe, _stalls, _tf
+from safestrategy import _tf
+from safestrategy.checks import probe as _probe
+from safestrategy.checks import stalls as _stalls
 
 SCENARIO = sys.argv[1]
 T = float(os.environ.get("SAFESTRATEGY_STALL_TIMEOUT", "600"))
@@ -90,7 +92,7 @@ x = np.ones((64, 4), np.float32)
 y = np.ones((64, 1), np.float32)
 
 if SCENARIO == "block":
-    _probe.WORKER_COMMAND = [
+    _probe.CHILD_COMMAND = [
         sys.executable,
         os.path.join(os.path.dirname(__file__), "fake_worker.py"),
     ]

@@ -2,6 +2,7 @@
 
 from safestrategy._devices import parse_devices
 from safestrategy._env import resolve_backend
+from safestrategy.backends import Applicability, unavailable
 from safestrategy.choose import (
     SINGLE_DEVICE_REASON,
     Decision,
@@ -10,6 +11,7 @@ from safestrategy.choose import (
     failure_message,
     fastest,
     plan,
+    single_device,
 )
 from safestrategy.report import CandidateResult
 
@@ -19,6 +21,12 @@ CPUS = parse_devices(["/cpu:0", "/cpu:1", "/cpu:2"])
 
 AUTO = resolve_backend(None, {})
 NOT_DEFAULT = {"collective": "TF 2.12's MirroredStrategy default is NcclAllReduce"}
+
+
+def skips(devices, extra=None):
+    """What cannot apply to ``devices`` where collective is TF's default (RING), and
+    ``extra``: the chooser's ``unavailable``, as the factory passes it."""
+    return {**unavailable(devices, Applicability("RING", "")), **(extra or {})}
 
 
 def checker(outcomes):
@@ -44,31 +52,33 @@ def timer(ms):
 
 
 def test_auto_skips_gpu_only_backends_without_a_gpu():
-    assert plan(resolve_backend("auto", {}), CPUS) == (
+    assert plan(resolve_backend("auto", {}), skips(CPUS)) == (
         Planned("collective"),
         Planned("nccl", "no GPU among the devices"),
         Planned("hierarchical_copy"),
         Planned("reduce_to_gpu", "no GPU among the devices"),
         Planned("reduce_to_cpu"),
     )
-    assert all(p.skip is None for p in plan(resolve_backend("auto", {}), GPUS))
+    assert all(p.skip is None for p in plan(resolve_backend("auto", {}), skips(GPUS)))
 
 
 def test_a_list_skips_nothing_and_keeps_its_order():
     setting = resolve_backend("reduce_to_gpu,nccl", {})
-    assert plan(setting, CPUS) == (Planned("reduce_to_gpu"), Planned("nccl"))
+    assert plan(setting, skips(CPUS)) == (Planned("reduce_to_gpu"), Planned("nccl"))
 
 
 def test_auto_skips_collective_where_it_is_not_tfs_default_but_a_list_tries_it():
-    assert plan(AUTO, GPUS, NOT_DEFAULT)[0] == Planned("collective", NOT_DEFAULT["collective"])
+    assert plan(AUTO, skips(GPUS, NOT_DEFAULT))[0] == Planned(
+        "collective", NOT_DEFAULT["collective"]
+    )
     listed = resolve_backend("collective,reduce_to_cpu", {})
-    assert plan(listed, CPUS, NOT_DEFAULT)[0] == Planned("collective")
+    assert plan(listed, skips(CPUS, NOT_DEFAULT))[0] == Planned("collective")
 
 
 def test_auto_checks_every_candidate_and_takes_the_fastest_that_passed():
     check, calls = checker({"nccl": "failed"})
     time, timed = timer({"collective": 19.3, "hierarchical_copy": 11.6, "reduce_to_gpu": 5.7})
-    decision = decide(AUTO, GPUS, check, time, {"reduce_to_cpu": "not here (fake)"})
+    decision = decide(AUTO, check, time, skips(GPUS, {"reduce_to_cpu": "not here (fake)"}))
     assert decision.backend == "reduce_to_gpu"
     assert calls == ["collective", "nccl", "hierarchical_copy", "reduce_to_gpu"]
     assert timed == ["collective", "hierarchical_copy", "reduce_to_gpu"]  # passed ones only
@@ -104,16 +114,16 @@ def test_the_rule_is_deterministic_whatever_order_the_timings_come_in():
 def test_candidates_that_could_not_be_timed_rank_after_the_timed_ones():
     check, _ = checker({})
     time, _ = timer({"collective": None, "hierarchical_copy": 9.0, "reduce_to_cpu": 12.0})
-    assert decide(AUTO, CPUS, check, time).backend == "hierarchical_copy"
+    assert decide(AUTO, check, time, skips(CPUS)).backend == "hierarchical_copy"
     time, _ = timer({"collective": None, "hierarchical_copy": None, "reduce_to_cpu": None})
-    untimed = decide(AUTO, CPUS, check, time)
+    untimed = decide(AUTO, check, time, skips(CPUS))
     assert untimed.backend == "collective" and "none could be timed" in untimed.reason
 
 
 def test_one_passing_candidate_is_not_timed():
     check, _ = checker({"collective": "failed", "hierarchical_copy": "failed"})
     time, timed = timer({})
-    decision = decide(AUTO, CPUS, check, time)
+    decision = decide(AUTO, check, time, skips(CPUS))
     assert (decision.backend, timed, decision.timed) == ("reduce_to_cpu", [], False)
     assert decision.reason == (
         "the only candidate that passed its all-reduce smoke check "
@@ -124,7 +134,9 @@ def test_one_passing_candidate_is_not_timed():
 def test_a_list_takes_the_first_that_passes_in_its_order_and_times_nothing():
     check, calls = checker({"reduce_to_gpu": "failed"})
     time, timed = timer({})
-    decision = decide(resolve_backend("reduce_to_gpu,nccl,collective", {}), GPUS, check, time)
+    decision = decide(
+        resolve_backend("reduce_to_gpu,nccl,collective", {}), check, time, skips(GPUS)
+    )
     assert (decision.backend, calls, timed) == ("nccl", ["reduce_to_gpu", "nccl"], [])
     assert [r.status for r in decision.results] == ["failed", "ok", "not_tried"]
     assert (
@@ -135,7 +147,7 @@ def test_a_list_takes_the_first_that_passes_in_its_order_and_times_nothing():
 
 def test_a_forced_collective_fails_with_the_reason_its_check_gives():
     check = lambda name: CandidateResult(name, "failed", NOT_DEFAULT[name])  # noqa: E731
-    decision = decide(resolve_backend("collective", {}), CPUS, check, None, NOT_DEFAULT)
+    decision = decide(resolve_backend("collective", {}), check, None, skips(CPUS, NOT_DEFAULT))
     assert decision.backend is None
     assert decision.results[0].reason == NOT_DEFAULT["collective"]
 
@@ -152,7 +164,7 @@ def remembered():
 def test_remembered_timings_check_only_the_winner_and_time_nothing():
     check, calls = checker({})
     time, timed = timer({})
-    decision = decide(AUTO, CPUS, check, time, remembered=remembered())
+    decision = decide(AUTO, check, time, skips(CPUS), remembered())
     assert (decision.backend, calls, timed) == ("reduce_to_cpu", ["reduce_to_cpu"], [])
     assert decision.warm and not decision.timed
     assert decision.reason == "fastest: 5.7 ms; ..."
@@ -166,7 +178,7 @@ def test_remembered_timings_check_only_the_winner_and_time_nothing():
 def test_a_remembered_winner_that_fails_now_makes_the_whole_choice_run_again():
     check, calls = checker({"reduce_to_cpu": "failed"})
     time, timed = timer({"collective": 19.0, "hierarchical_copy": 11.0})
-    decision = decide(AUTO, CPUS, check, time, remembered=remembered())
+    decision = decide(AUTO, check, time, skips(CPUS), remembered())
     assert decision.backend == "hierarchical_copy" and not decision.warm and decision.timed
     assert calls == ["reduce_to_cpu", "collective", "hierarchical_copy"]  # not re-checked
     assert timed == ["collective", "hierarchical_copy"]
@@ -175,14 +187,14 @@ def test_a_remembered_winner_that_fails_now_makes_the_whole_choice_run_again():
 def test_a_list_ignores_remembered_timings():
     check, calls = checker({})
     decision = decide(
-        resolve_backend("hierarchical_copy", {}), CPUS, check, None, None, remembered()
+        resolve_backend("hierarchical_copy", {}), check, None, skips(CPUS), remembered()
     )
     assert (decision.backend, calls) == ("hierarchical_copy", ["hierarchical_copy"])
 
 
 def test_auto_on_cpus_lands_on_reduce_to_cpu_when_the_others_fail():
     check, calls = checker({"collective": "failed", "hierarchical_copy": "failed"})
-    decision = decide(AUTO, CPUS, check)
+    decision = decide(AUTO, check, None, skips(CPUS))
     assert decision.backend == "reduce_to_cpu"
     assert calls == ["collective", "hierarchical_copy", "reduce_to_cpu"]
     assert [r.status for r in decision.results] == ["failed", "skipped", "failed", "skipped", "ok"]
@@ -190,7 +202,7 @@ def test_auto_on_cpus_lands_on_reduce_to_cpu_when_the_others_fail():
 
 def test_forced_failure_chooses_nothing():
     check, _ = checker({"reduce_to_cpu": "timeout"})
-    decision = decide(resolve_backend("reduce_to_cpu", {}), CPUS, check)
+    decision = decide(resolve_backend("reduce_to_cpu", {}), check, None, skips(CPUS))
     assert decision.backend is None
     message = failure_message(CPUS, decision.results, resolve_backend("reduce_to_cpu", {}))
     assert "reduce_to_cpu: timeout: fake" in message
@@ -204,15 +216,13 @@ def test_the_failure_message_names_the_override_the_caller_can_use():
 
 
 def test_one_device_checks_nothing_and_never_picks_nccl():
-    check, calls = checker({})
-    one_gpu = decide(resolve_backend(None, {}), GPUS[:1], check)
-    one_cpu = decide(resolve_backend(None, {}), CPUS[:1], check)
-    forced = decide(resolve_backend("nccl", {}), GPUS[:1], check)
+    one_gpu = single_device(resolve_backend(None, {}), GPUS[0])
+    one_cpu = single_device(resolve_backend(None, {}), CPUS[0])
+    forced = single_device(resolve_backend("nccl", {}), GPUS[0])
     assert (one_gpu.backend, one_cpu.backend, forced.backend) == (
         "reduce_to_gpu",
         "reduce_to_cpu",
         "nccl",
     )
-    assert calls == []
     assert {r.status for r in one_gpu.results} == {"not_tried"}
     assert one_gpu.reason == SINGLE_DEVICE_REASON

@@ -4,8 +4,8 @@ import textwrap
 
 import pytest
 
-from safestrategy._collective import applies
 from safestrategy._devices import parse_devices
+from safestrategy.backends import collective_applies as applies
 
 from .conftest import cpus, run_python
 
@@ -47,9 +47,9 @@ def test_older_tensorflow_names_its_own_default():
 
 
 def collective_or_skip_reason(tf):
-    from safestrategy import _collective
+    from safestrategy import backends
 
-    return _collective.live(tf, parse_devices(cpus(2)))
+    return backends.collective_live(tf, parse_devices(cpus(2)))
 
 
 def test_auto_races_collective_where_it_is_the_default_and_skips_it_elsewhere(tf2):
@@ -142,10 +142,10 @@ def test_after_the_factory_a_stock_strategy_on_another_count_trains_as_in_a_fres
 
 def test_stock_tensorflow_alone_collides_across_device_counts(tf2, tmp_path):
     """What the private keys avoid (tensorflow#61314): stock strategies share group keys."""
-    from safestrategy._collective import FIRST_VERSION
-    from safestrategy._tf import _release
+    from safestrategy._tf import release
+    from safestrategy.backends import FIRST_VERSION
 
-    if _release(tf2.__version__) < FIRST_VERSION:
+    if release(tf2.__version__) < FIRST_VERSION:
         pytest.skip("before TF 2.13 MirroredStrategy's default uses no collective keys")
     out = run_script(
         """
@@ -169,8 +169,8 @@ def test_tf_honours_a_collective_timeout_locally_and_it_poisons_the_process(tf2,
     out = run_script(
         """
         import time
-        from safestrategy import _collective
-        ops = _collective.build(tf, ["/cpu:0", "/cpu:1"], "RING", timeout=2.0)
+        from safestrategy import backends
+        ops = backends.build_collective(tf, ["/cpu:0", "/cpu:1"], "RING", timeout=2.0)
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
         # only replica 0 joins: a group that waits for a member that never comes
         launcher = ops._launchers[0]

@@ -12,11 +12,11 @@ import threading
 import pytest
 
 import safestrategy
-from safestrategy import _allreduce, factory
-from safestrategy._allreduce import _eager_all_reduce
+from safestrategy import factory
 from safestrategy._devices import parse_device
+from safestrategy.checks import allreduce as _allreduce
 
-from .conftest import cpus, run_python
+from .conftest import all_reduced, cpus, run_python
 
 LISTED = "hierarchical_copy,reduce_to_cpu"
 LEARNING_RATE = 0.1
@@ -92,7 +92,7 @@ def test_while_a_tf_function_is_traced_hierarchical_copy_is_refused(tf2):
     traced()
     assert_hierarchical_copy_refused(safestrategy.last_report())
     (strategy,) = made
-    assert [numbers[0] for _, numbers in _eager_all_reduce(tf2, strategy)] == [6.0] * 3
+    assert [numbers[0] for _, numbers in all_reduced(tf2, strategy)] == [6.0] * 3
     assert graph_training(tf2, strategy)[0] == [6.0] * 3
 
 
@@ -193,7 +193,7 @@ def test_two_factories_at_once_beside_a_training_thread_change_nothing_it_sees(t
             for call in calls:
                 call.join()
             for n, total in ((2, 3.0), (3, 6.0)):
-                values = _eager_all_reduce(tf2, made[n])
+                values = all_reduced(tf2, made[n])
                 assert [numbers[0] for _, numbers in values] == [total] * n
     finally:
         stop.set()
@@ -215,7 +215,7 @@ def test_inside_another_strategys_scope_the_checks_run_and_the_scope_stays(tf2, 
     report = safestrategy.last_report()
     assert_hierarchical_copy_refused(report)
     assert "Mixing" not in str(report)
-    values = _eager_all_reduce(tf2, strategy)
+    values = all_reduced(tf2, strategy)
     assert [numbers[0] for _, numbers in values] == [6.0] * 3
 
 

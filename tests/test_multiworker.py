@@ -19,10 +19,15 @@ from pathlib import Path
 import pytest
 
 import safestrategy
-from safestrategy import _cluster, _mw_choose, _nccl, _probe, multiworker
-from safestrategy._cluster import Address
+from safestrategy import choose
 from safestrategy._env import Setting, resolve_communication
-from safestrategy._rendezvous import PROTOCOL, MissingWorkersError, Rendezvous
+from safestrategy.checks import nccl as _nccl
+from safestrategy.checks import probe as _probe
+from safestrategy.multiworker import agree
+from safestrategy.multiworker import cluster as _cluster
+from safestrategy.multiworker import factory as multiworker
+from safestrategy.multiworker.cluster import Address
+from safestrategy.multiworker.rendezvous import PROTOCOL, MissingWorkersError, Rendezvous
 from safestrategy.report import CandidateResult
 
 from .conftest import ROOT, run_python
@@ -128,49 +133,51 @@ def hellos(*gpus, kernels=1, **extra):
 
 def test_nccl_needs_gpus_on_every_worker_and_kernels():
     auto, forced = resolve_communication("auto"), resolve_communication("nccl")
-    skipped = _mw_choose.gate(auto, hellos(2, 0))
+    skipped = agree.gate(auto, hellos(2, 0))
     assert (skipped.status, skipped.reason) == (
         "skipped",
         "no GPU among the devices (worker:1 has none)",
     )
-    assert _mw_choose.gate(forced, hellos(0, 0)).status == "failed"
-    assert _mw_choose.gate(resolve_communication("nccl,ring"), hellos(0, 1)).status == "failed"
-    no_kernels = _mw_choose.gate(auto, hellos(1, 1, kernels=0))
+    assert agree.gate(forced, hellos(0, 0)).status == "failed"
+    assert agree.gate(resolve_communication("nccl,ring"), hellos(0, 1)).status == "failed"
+    no_kernels = agree.gate(auto, hellos(1, 1, kernels=0))
     assert no_kernels.status == "failed" and "0 registered" in no_kernels.reason
-    assert _mw_choose.gate(auto, hellos(1, 4)) is None
-    assert _mw_choose.expected_replicas(hellos(1, 4)) == 5
+    assert agree.gate(auto, hellos(1, 4)) is None
+    assert agree.expected_replicas(hellos(1, 4)) == 5
 
 
 def test_remedies_are_skipped_where_any_user_set_them_or_any_worker_turned_them_off():
-    assert _mw_choose.remedy_attempts(hellos(1, 1, remedies=True, user_nccl=[])) == [
+    assert agree.remedy_attempts(hellos(1, 1, remedies=True, user_nccl=[])) == [
         {},
         {"NCCL_P2P_DISABLE": "1"},
         {"NCCL_SHM_DISABLE": "1"},
     ]
     some = hellos(1, 1, remedies=True, user_nccl=[])
     some["worker:1"]["user_nccl"] = ["NCCL_P2P_DISABLE"]
-    assert _mw_choose.remedy_attempts(some) == [{}, {"NCCL_SHM_DISABLE": "1"}]
+    assert agree.remedy_attempts(some) == [{}, {"NCCL_SHM_DISABLE": "1"}]
     off = hellos(1, 1, remedies=True)
     off["worker:0"]["remedies"] = False
-    assert _mw_choose.remedy_attempts(off) == [{}]
+    assert agree.remedy_attempts(off) == [{}]
 
 
 def test_nccl_is_ok_only_when_every_worker_says_so():
     ok = CandidateResult("nccl", "ok", "fine", 1.0).to_dict()
     hung = CandidateResult("nccl", "timeout", "no answer within 5 s", 5.0).to_dict()
-    assert _mw_choose.combine({"worker:0": ok, "worker:1": ok}, {}).status == "ok"
-    result = _mw_choose.combine({"worker:0": ok, "worker:1": hung}, {})
+    assert agree.combine({"worker:0": ok, "worker:1": ok}, {}).status == "ok"
+    result = agree.combine({"worker:0": ok, "worker:1": hung}, {})
     assert (result.status, result.reason) == ("timeout", "worker:1: timeout: no answer within 5 s")
     ring = CandidateResult("ring", "ok", "")
-    decision = _mw_choose.decide(resolve_communication("auto"), {"nccl": result, "ring": ring}.get)
+    decision = choose.decide(
+        resolve_communication("auto"), {"nccl": result, "ring": ring}.get, race=False, why=agree.why
+    )
     assert decision.backend == "ring" and decision.reason.startswith("nccl timeout: worker:1")
 
 
 def test_workers_that_disagree_are_told_so():
     same = {"cluster": ["worker:0=a:1"], "setting": ["auto", ["nccl", "ring"]]}
-    assert _mw_choose.disagreement({"worker:0": same, "worker:1": dict(same)}) is None
+    assert agree.disagreement({"worker:0": same, "worker:1": dict(same)}) is None
     other = {**same, "setting": ["forced", ["ring"]]}
-    problem = _mw_choose.disagreement({"worker:0": same, "worker:1": other})
+    problem = agree.disagreement({"worker:0": same, "worker:1": other})
     assert "disagree on the communication setting" in problem and "worker:1: ['forced'" in problem
 
 
@@ -288,7 +295,7 @@ def test_foreign_traffic_and_stale_sessions_do_not_confuse_it():
 def fake_mw(monkeypatch):
     """The fake cross-worker probe (tests/fake_mw_worker.py); returns a function that sets
     its behaviour."""
-    monkeypatch.setattr(_probe, "WORKER_COMMAND", [sys.executable, FAKE_MW])
+    monkeypatch.setattr(_probe, "CHILD_COMMAND", [sys.executable, FAKE_MW])
     monkeypatch.setattr(_probe, "STARTUP_TIMEOUT", 10.0)
     for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "SAFESTRATEGY_NCCL_REMEDIES"):
         monkeypatch.delenv(name, raising=False)
@@ -565,7 +572,7 @@ def test_two_workers_agree_and_train_like_one_process(tf2):
 
 
 def test_a_worker_judges_its_own_replicas_against_the_global_sum():
-    from safestrategy._mw_check import judge
+    from safestrategy.multiworker.agree import judge
 
     ok = judge({"values": [["/gpu:0", [10.0] * 4], ["/gpu:1", [10.0] * 4]], "replicas": 4}, 4, 1)
     assert (ok.status, ok.reason) == ("ok", "2 local replicas got 10")

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import safestrategy
-from safestrategy import _nccl, nccl_ops
+from safestrategy import nccl_ops
 from safestrategy._devices import parse_devices
 from safestrategy._env import resolve_backend
+from safestrategy.checks import nccl as _nccl
 from safestrategy.report import FAILED, OK, CandidateResult
 
 from .conftest import ROOT, run_python

@@ -146,7 +146,7 @@ def test_the_strategy_class_matches_the_tf_era(tf1):
 
 
 def test_cpu_sets_are_checked_here_without_a_probe_process(tf1, monkeypatch):
-    from safestrategy import _probe
+    from safestrategy.checks import probe as _probe
 
     def refuse(*args, **kwargs):
         raise AssertionError("a probe process was started")

@@ -11,8 +11,10 @@ import pytest
 from packaging.version import Version
 
 import safestrategy
-from safestrategy import _collective, _probe, factory
+from safestrategy import backends
 from safestrategy._devices import parse_devices
+from safestrategy.checks import probe as _probe
+from safestrategy.checks import runner
 from safestrategy.choose import fastest
 
 from .conftest import cpus, run_python
@@ -120,7 +122,7 @@ def test_forced_hierarchical_copy_on_three_devices_is_refused(tf2):
 
 @pytest.mark.parametrize("name", safestrategy.BACKEND_NAMES)
 def test_every_backend_can_be_forced_on_two_devices(tf2, name):
-    if name == "collective" and _collective.live(tf2, parse_devices(cpus(2))).reason:
+    if name == "collective" and backends.collective_live(tf2, parse_devices(cpus(2))).reason:
         with pytest.raises(safestrategy.NoWorkingBackendError, match="default is Reduction"):
             safestrategy.make_mirrored_strategy(cpus(2), backend=name)  # TF < 2.13
         return
@@ -140,7 +142,7 @@ def no_checks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("nothing may be checked here")
 
-    monkeypatch.setattr(factory._Checks, "__call__", refuse)
+    monkeypatch.setattr(runner.Runner, "__call__", refuse)
 
 
 def test_your_own_cross_device_ops_are_used_as_given(tf2, monkeypatch):
@@ -170,19 +172,18 @@ def test_one_device_needs_no_probe(tf2, monkeypatch):
 BESIDE_YOUR_DEFAULT_STRATEGY = """
 import tensorflow as tf
 import safestrategy
-from safestrategy._allreduce import _eager_all_reduce
 from safestrategy._tf import configure_logical_cpus
-from tests.conftest import cpus
+from tests.conftest import all_reduced, cpus
 
 configure_logical_cpus(tf, 3)
 yours = tf.distribute.MirroredStrategy(cpus(2))  # TF's own default cross-device ops
 extended = yours.extended
 default = extended._cross_device_ops or getattr(extended, "_inferred_cross_device_ops", None)
 print("default", type(default).__name__)
-print("yours", _eager_all_reduce(tf, yours)[0][1][0])
+print("yours", all_reduced(tf, yours)[0][1][0])
 ours = safestrategy.make_mirrored_strategy(cpus(3))
-print("ours", safestrategy.last_report().backend, _eager_all_reduce(tf, ours)[0][1][0])
-print("yours", _eager_all_reduce(tf, yours)[0][1][0])
+print("ours", safestrategy.last_report().backend, all_reduced(tf, ours)[0][1][0])
+print("yours", all_reduced(tf, yours)[0][1][0])
 """
 
 
@@ -215,7 +216,7 @@ def test_only_nccl_may_start_a_probe_process(tf2, monkeypatch):
 
 
 def test_a_probe_process_that_cannot_start_costs_nothing_without_nccl(tf2, monkeypatch):
-    monkeypatch.setattr(_probe, "WORKER_COMMAND", ["/nonexistent/python"])
+    monkeypatch.setattr(_probe, "CHILD_COMMAND", ["/nonexistent/python"])
     strategy = safestrategy.make_mirrored_strategy(cpus(2), backend="nccl,reduce_to_cpu")
     assert strategy.num_replicas_in_sync == 2
 

@@ -3,30 +3,31 @@
 import pytest
 
 import safestrategy
-from safestrategy import _timing, factory
+from safestrategy import factory
+from safestrategy.checks import allreduce, runner, timing
 
 from .conftest import cpus
 
 
 def test_the_payload_is_twenty_mixed_tensors_of_the_given_size():
-    sizes = _timing.payload_sizes(32)
+    sizes = allreduce.payload_sizes(32)
     assert len(sizes) == 20 and sum(sizes) * 4 == 32 * 2**20
     assert sizes[0] < sizes[10] < sizes[-1]
 
 
 def test_a_batch_all_reduce_is_timed_here(tf):
-    from safestrategy._allreduce import graph_api, session_config
     from safestrategy._tf import era
+    from safestrategy.checks.allreduce import graph_api, session_config
 
     graph = graph_api(tf)
     config = None if graph is None else session_config(graph, 3, gpus=False)
-    ms = _timing.median_ms(tf, era(tf.__version__), cpus(3), "reduce_to_cpu", 1.0, config)
+    ms = timing.median_ms(tf, era(tf.__version__), cpus(3), "reduce_to_cpu", 1.0, config)
     assert 0 < ms < 60_000
 
 
 def _configs(tf):
     """The session configs to time with: a graph-mode one always, and None (eager) on TF2."""
-    from safestrategy._allreduce import session_config
+    from safestrategy.checks.allreduce import session_config
 
     graph = tf if not tf.__version__.startswith("2.") else tf.compat.v1
     return [session_config(graph, 2, gpus=False)] + ([None] if graph is not tf else [])
@@ -37,9 +38,9 @@ def test_the_time_grows_with_the_payload_so_the_reduction_really_ran(tf):
     TF 1.15: the race compared nothing. 128x the data must take clearly longer."""
     from safestrategy._tf import era
 
-    small, large = _timing.payload_sizes(0.5), _timing.payload_sizes(64)
+    small, large = allreduce.payload_sizes(0.5), allreduce.payload_sizes(64)
     for config in _configs(tf):
-        times = _timing.batches_ms(
+        times = timing.batches_ms(
             tf, era(tf.__version__), cpus(2), "reduce_to_cpu", [small, large], config
         )
         assert times[1] > 3 * times[0], (config is None, times)
@@ -57,13 +58,13 @@ def refuse_timing(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("nothing may be timed here")
 
-    monkeypatch.setattr(_timing, "race", refuse)
+    monkeypatch.setattr(allreduce.Race, "times", refuse)
 
 
 def races_built(monkeypatch):
     """The names of the payload races built from now on (each is tagged ``.name``)."""
     built = []
-    real = _timing.race
+    real = allreduce.race
 
     def race(tf, era, devices, name, *args, **kwargs):
         ready = real(tf, era, devices, name, *args, **kwargs)
@@ -71,7 +72,7 @@ def races_built(monkeypatch):
         built.append(name)
         return ready
 
-    monkeypatch.setattr(_timing, "race", race)
+    monkeypatch.setattr(allreduce, "race", race)
     return built
 
 
@@ -82,7 +83,7 @@ def test_a_cold_auto_traces_each_candidate_once_its_check_is_the_first_run(tf, m
     def refuse(*args, **kwargs):
         raise AssertionError("a cold race needs no separate smoke check")
 
-    monkeypatch.setattr(factory, "smoke_check", refuse)
+    monkeypatch.setattr(allreduce, "smoke_check", refuse)
     report, fresh = factory.decide(cpus(2), cache=False)
     passed = [c.name for c in report.candidates if c.status == "ok"]
     assert fresh and sorted(built) == sorted(passed) and len(passed) >= 2
@@ -97,8 +98,8 @@ def test_a_wrong_sum_in_the_payload_race_fails_the_candidate(tf):
 
 
 def test_a_clear_loser_runs_once_and_the_contenders_run_in_full(tf, monkeypatch):
-    """Only candidates within choose.SCREEN (2x) of the fastest first timed run are run
-    _timing.RUNS times; a clear loser's one run is its time."""
+    """Only candidates within timing.SCREEN (2x) of the fastest first timed run are run
+    timing.RUNS times; a clear loser's one run is its time."""
     fake = {"collective": 19.0, "hierarchical_copy": 25.0, "reduce_to_cpu": 10.0}
     races_built(monkeypatch)
     runs = []
@@ -107,7 +108,7 @@ def test_a_clear_loser_runs_once_and_the_contenders_run_in_full(tf, monkeypatch)
         runs.append((self.name, count))
         return [fake[self.name]] * count
 
-    monkeypatch.setattr(_timing.Race, "times", times)
+    monkeypatch.setattr(allreduce.Race, "times", times)
     report, _ = factory.decide(cpus(2), cache=False)
     timed = {c.name: c.ms for c in report.candidates if c.ms is not None}
     assert timed == {name: ms for name, ms in fake.items() if name in timed}
@@ -116,7 +117,7 @@ def test_a_clear_loser_runs_once_and_the_contenders_run_in_full(tf, monkeypatch)
     for name, count in runs:
         counts.setdefault(name, []).append(count)
     assert counts.pop("hierarchical_copy") == [1] and "reduce_to_cpu" in counts
-    assert all(each == [1, _timing.RUNS - 1] for each in counts.values())
+    assert all(each == [1, timing.RUNS - 1] for each in counts.values())
 
 
 def test_a_warm_launch_checks_only_the_cached_winner_and_times_nothing(tf2, monkeypatch):
@@ -125,9 +126,9 @@ def test_a_warm_launch_checks_only_the_cached_winner_and_times_nothing(tf2, monk
     factory._decisions.clear()  # a new process: only the disk remembers
     refuse_timing(monkeypatch)
     checked = []
-    real = factory._Checks.__call__
+    real = runner.Runner.__call__
     monkeypatch.setattr(
-        factory._Checks, "__call__", lambda self, name: checked.append(name) or real(self, name)
+        runner.Runner, "__call__", lambda self, name: checked.append(name) or real(self, name)
     )
     warm = safestrategy.probe(cpus(2))
     assert checked == [first.backend]
@@ -141,7 +142,7 @@ def test_a_warm_launch_checks_only_the_cached_winner_and_times_nothing(tf2, monk
 def test_a_cached_winner_that_fails_now_drops_the_timings_and_chooses_again(tf2, monkeypatch):
     first = safestrategy.probe(cpus(2))
     factory._decisions.clear()
-    real = factory._Checks.__call__
+    real = runner.Runner.__call__
 
     def winner_breaks(self, name):
         result = real(self, name)
@@ -151,7 +152,7 @@ def test_a_cached_winner_that_fails_now_drops_the_timings_and_chooses_again(tf2,
             else result
         )
 
-    monkeypatch.setattr(factory._Checks, "__call__", winner_breaks)
+    monkeypatch.setattr(runner.Runner, "__call__", winner_breaks)
     again = safestrategy.probe(cpus(2))
     assert again.backend != first.backend
     assert not any(c.cached for c in again.candidates)

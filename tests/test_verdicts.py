@@ -16,7 +16,8 @@ import time
 import pytest
 
 import safestrategy
-from safestrategy import _cache, _env, _nccl, factory
+from safestrategy import _cache, _env, factory
+from safestrategy.checks import nccl as _nccl
 from safestrategy.report import CandidateResult
 
 from .conftest import GPUS

@@ -12,9 +12,10 @@ import types
 import pytest
 
 import safestrategy
-from safestrategy import _env, _stalls, _watchdog, factory
+from safestrategy import _env, _watchdog, factory
 from safestrategy._devices import parse_devices
 from safestrategy._watchdog import INPUT, OP, SESSION, STEP, advance, classify, outermost_call
+from safestrategy.checks import stalls as _stalls
 from safestrategy.report import Report
 
 from .conftest import ROOT, needs_tf, run_python

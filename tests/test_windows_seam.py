@@ -1,6 +1,6 @@
 """Windows behaviour, checked on every OS by faking the platform at its one seam.
 
-``safestrategy._probe.system()`` is the only place that asks which OS this is.
+``safestrategy._machine.system()`` is the only place that asks which OS this is.
 What Windows does differently for us is covered by facts the code handles on
 every OS, each exercised here on Linux too (and for real on windows-latest in
 CI): there is no fork, so the probe process is a fresh interpreter started by
@@ -17,8 +17,9 @@ import sys
 import pytest
 
 import safestrategy
-from safestrategy import _probe
+from safestrategy import _machine
 from safestrategy._devices import parse_devices
+from safestrategy.checks import probe as _probe
 
 from .conftest import FAKE_WORKER, ROOT, needs_tf, run_python
 
@@ -28,12 +29,12 @@ GPUS = ["/gpu:0", "/gpu:1"]
 @pytest.fixture
 def windows(monkeypatch):
     """Pretend to be Windows at the one seam; reading Linux's /proc would be a bug."""
-    monkeypatch.setattr(_probe, "system", lambda: "Windows")
+    monkeypatch.setattr(_machine, "system", lambda: "Windows")
 
     def no_proc():
         raise AssertionError("read /proc/sys/kernel/osrelease on Windows")
 
-    monkeypatch.setattr(_probe, "_kernel_release", no_proc)
+    monkeypatch.setattr(_machine, "_kernel_release", no_proc)
 
 
 def test_the_report_says_windows_and_never_wsl(fake, windows):
@@ -55,8 +56,8 @@ def test_the_report_says_windows_and_never_wsl(fake, windows):
     ],
 )
 def test_wsl_is_linux_with_a_microsoft_kernel(fake, monkeypatch, system, release, wsl):
-    monkeypatch.setattr(_probe, "system", lambda: system)
-    monkeypatch.setattr(_probe, "_kernel_release", lambda: release)
+    monkeypatch.setattr(_machine, "system", lambda: system)
+    monkeypatch.setattr(_machine, "_kernel_release", lambda: release)
     fake("ok")
     report = safestrategy.probe(GPUS)
     assert (report.platform, report.wsl) == (system, wsl)
@@ -75,9 +76,10 @@ import sys
 with open("runs.txt", "a") as runs:  # no `if __name__ == "__main__":` guard, on purpose
     runs.write("ran\\n")
 import safestrategy
-from safestrategy import _devices, _probe, _tf
-_probe.system = lambda: "Windows"
-_probe.WORKER_COMMAND = [sys.executable, {fake!r}]
+from safestrategy import _devices, _machine, _tf
+from safestrategy.checks import probe as _probe
+_machine.system = lambda: "Windows"
+_probe.CHILD_COMMAND = [sys.executable, {fake!r}]
 _tf.nccl_kernel_count = lambda tf: 1
 gpus = (_devices.Device("GPU", 0), _devices.Device("GPU", 1))
 _tf.visible_devices = lambda tf: _devices.Visible((_devices.Device("CPU", 0),) + gpus)
@@ -106,8 +108,8 @@ VENDORED_SCRIPT = """
 import os, sys
 sys.path.insert(0, os.path.join({vendor!r}))
 import safestrategy
-from safestrategy import _probe
 from safestrategy._devices import parse_devices
+from safestrategy.checks import probe as _probe
 process, facts = _probe.start({{"job": "mirrored", "devices": ["/cpu:0", "/cpu:1"]}}, 300)
 with process:
     result = _probe.check(process, "reduce_to_cpu", 2, 300)
@@ -138,7 +140,7 @@ def test_a_worker_path_with_spaces_and_accents(fake, windows, monkeypatch, tmp_p
     folder.mkdir(parents=True)
     script = folder / "fake worker.py"
     shutil.copyfile(FAKE_WORKER, str(script))
-    monkeypatch.setattr(_probe, "WORKER_COMMAND", [sys.executable, str(script)])
+    monkeypatch.setattr(_probe, "CHILD_COMMAND", [sys.executable, str(script)])
     fake("ok")
     report = safestrategy.probe(["/gpu:0", "/gpu:1", "/gpu:2"])
     assert report.devices == ("/device:GPU:0", "/device:GPU:1", "/device:GPU:2")
@@ -171,10 +173,10 @@ def test_crash_statuses_are_named(returncode, text):
 def test_collective_on_gpus_is_checked_and_timed_in_the_probe_process(fake, tmp_path):
     """On physical GPUs collective requests NCCL: like nccl, it may hang, so it never runs
     here; its verdict is cached under its own name."""
-    from safestrategy import _collective, _tf
+    from safestrategy import _tf, backends
 
     fake("ok")
-    if _collective.live(_tf.import_tf(), parse_devices(GPUS)).implementation is None:
+    if backends.collective_live(_tf.import_tf(), parse_devices(GPUS)).implementation is None:
         pytest.skip("TF < 2.13: collective is not MirroredStrategy's default")
     fake.monkeypatch.setenv("FAKE_WORKER_MS", "nccl=5,collective=1")
     report = safestrategy.probe(GPUS)

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-ENV_TF_CONFIG = "TF_CONFIG"
+from .._env import ENV_TF_CONFIG
 
 #: The task types that take part in the all-reduce, in TensorFlow's order.
 WORKER_TYPES = ("chief", "worker")

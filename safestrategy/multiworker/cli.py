@@ -10,10 +10,9 @@ facts and, after the timeout, which workers did not answer.
 import argparse
 import sys
 
-from . import multiworker
-from ._rendezvous import MissingWorkersError
-from .factory import NoWorkingBackendError
-from .report import CandidateResult
+from ..report import CandidateResult, NoWorkingBackendError
+from . import factory as multiworker
+from .rendezvous import MissingWorkersError
 
 
 def main(args: argparse.Namespace) -> int:

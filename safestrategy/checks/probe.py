@@ -1,6 +1,6 @@
-"""The probe process: where a check that can hang or abort (NCCL) runs.
+"""The probe process, parent side: where a check that can hang or abort (NCCL) runs.
 
-A probe process is a fresh interpreter running :mod:`safestrategy._worker`,
+A probe process is a fresh interpreter running :mod:`safestrategy.checks.child`,
 started with ``subprocess`` (never forked, and no re-import of the caller's
 ``__main__`` as ``multiprocessing``'s spawn would do). It imports the very
 ``safestrategy`` the caller imported, whatever the current directory or
@@ -13,7 +13,9 @@ It never outlives the caller: it dies with its parent (Linux:
 closes, which the OS does when the caller ends in any way. The caller kills
 and reaps it on every exit path of its own (timeout, error, Ctrl-C).
 Everything that goes wrong on the way becomes :class:`ProbeDied` or
-:class:`ProbeTimeout` with a reason, never a raw exception.
+:class:`ProbeTimeout` with a reason, never a raw exception. :class:`Shared` is
+the one owner of a probe process that serves several candidates: started on
+first use, reused only while it is healthy, closed.
 """
 
 import collections
@@ -21,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import queue
 import re
 import signal
@@ -32,9 +33,9 @@ import time
 import weakref
 from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
-from . import _env
-from ._allreduce import from_reply
-from .report import FAILED, TIMEOUT, CandidateResult
+from .. import _env
+from ..report import FAILED, OK, TIMEOUT, CandidateResult
+from .allreduce import from_reply
 
 logger = logging.getLogger("safestrategy")
 
@@ -43,50 +44,28 @@ PREFIX = "@safestrategy@ "
 
 #: How the probe process is started; None: this interpreter running the bootstrap
 #: below. The one seam tests replace with a fake.
-WORKER_COMMAND: Optional[List[str]] = None
+CHILD_COMMAND: Optional[List[str]] = None
 
 #: Seconds the probe process may take to import TensorFlow and report its facts.
 STARTUP_TIMEOUT = 120.0
 
 _BOOTSTRAP = (
     "import sys; sys.path.insert(0, {root!r}); "
-    "from safestrategy._worker import main; sys.exit(main(sys.argv[1:]))"
+    "from safestrategy.checks.child import main; sys.exit(main(sys.argv[1:]))"
 )
 
 
-class ProbeTimeout(Exception):
+class ProbeTimeout(TimeoutError):
     """The probe process did not answer in time (it has been killed)."""
 
 
-class ProbeDied(Exception):
+class ProbeDied(RuntimeError):
     """The probe process could not start, exited or crashed, or answered nonsense; the
     message is a reason as reports show it ("the probe process died: ...")."""
 
 
 _SUBJECT = "the probe process "
 _COULD_NOT_START = f"{_SUBJECT}could not start: "
-
-
-def system() -> str:
-    """The OS name as ``platform.system()`` reports it ("Linux", "Windows", ...)."""
-    return platform.system()
-
-
-def _kernel_release() -> Optional[str]:
-    """Linux's kernel release string, or None where there is none to read."""
-    try:
-        with open("/proc/sys/kernel/osrelease") as release:
-            return release.read()
-    except OSError:
-        return None
-
-
-def is_wsl() -> bool:
-    """True on Linux under Windows Subsystem for Linux, where NCCL is often absent."""
-    if system() != "Linux":
-        return False
-    release = _kernel_release()
-    return release is not None and "microsoft" in release.lower()
 
 
 #: Windows exit statuses of a crashed process (NTSTATUS), as the probe process reports them.
@@ -133,15 +112,15 @@ def useful_last_line(lines: Any) -> str:
 
 
 def _command(request: Mapping[str, Any]) -> List[str]:
-    if WORKER_COMMAND is not None:
-        return [*WORKER_COMMAND, json.dumps(request)]
+    if CHILD_COMMAND is not None:
+        return [*CHILD_COMMAND, json.dumps(request)]
     if getattr(sys, "frozen", False):
         raise ProbeDied(
             f"{_COULD_NOT_START}this is a frozen application, whose executable cannot run it"
         )
     if not sys.executable:
         raise ProbeDied(f"{_COULD_NOT_START}this interpreter does not know its executable")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return [sys.executable, "-c", _BOOTSTRAP.format(root=root), json.dumps(request)]
 
 
@@ -249,6 +228,11 @@ class ProbeProcess:
         self.send(message)
         return self.receive(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """Still running (not killed at a timeout, not dead, not closed)."""
+        return self.process.poll() is None
+
     def close(self) -> None:
         """Kill the process if it still runs, and reap it."""
         if self.process.poll() is None:
@@ -298,3 +282,63 @@ def check(process: ProbeProcess, name: str, replicas: int, timeout: float) -> Ca
     except ProbeDied as error:
         return CandidateResult(name, FAILED, str(error), round(time.monotonic() - started, 3))
     return from_reply(name, reply, replicas, time.monotonic() - started)
+
+
+def median_ms(
+    process: ProbeProcess, name: str, payload_mb: float, timeout: float
+) -> Optional[float]:
+    """Backend ``name``'s median ms on the payload, timed in a started probe process; None
+    when it could not be (a timeout or a death: the process is then gone)."""
+    try:
+        reply = process.ask({"time": name, "payload_mb": payload_mb}, timeout)
+    except (ProbeTimeout, ProbeDied) as error:
+        logger.debug("timing %s in the probe process failed: %s", name, error)
+        return None
+    ms = reply.get("ms")
+    return float(ms) if isinstance(ms, (int, float)) else None
+
+
+class Shared:
+    """One probe process that serves several candidates of one device set: started on
+    first use, reused only while it is healthy (never after a timeout, a death or a failed
+    check: CUDA may be poisoned), closed at the end. It cannot start: each use says why."""
+
+    def __init__(self, request: Mapping[str, Any], timeout: float) -> None:
+        self.request, self.timeout = request, timeout
+        self.process: Optional[ProbeProcess] = None
+        self.start_failure = ""  #: why it could not start, once it could not
+
+    def _running(self) -> Optional[ProbeProcess]:
+        if self.process is not None and not self.process.alive:
+            self.close()
+        if self.process is None and not self.start_failure:
+            try:
+                self.process, _ = start(self.request, self.timeout)
+            except ProbeDied as error:
+                self.start_failure = str(error)
+        return self.process
+
+    def check(self, name: str, replicas: int) -> CandidateResult:
+        """Backend ``name``'s smoke check in the probe process."""
+        process = self._running()
+        if process is None:
+            return CandidateResult(name, FAILED, self.start_failure)
+        result = check(process, name, replicas, self.timeout)
+        if result.status != OK:  # a fresh process for the next
+            self.close()
+        return result
+
+    def time(self, name: str, payload_mb: float) -> Optional[float]:
+        """Backend ``name``'s median ms in the probe process (None: it could not be timed)."""
+        process = self._running()
+        if process is None:
+            return None
+        ms = median_ms(process, name, payload_mb, self.timeout)
+        if ms is None:
+            self.close()
+        return ms
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.process = None

@@ -1,18 +1,25 @@
-"""The probe process: imports TensorFlow, reports facts, runs smoke all-reduces.
+"""The probe process itself (the child): imports TensorFlow, reports facts, runs all-reduces.
 
-Run by :mod:`safestrategy._probe` as a fresh interpreter with one JSON
+Run by :mod:`safestrategy.checks.probe` as a fresh interpreter with one JSON
 argument, never imported by the library itself. A broken NCCL may hang or
 abort this process; the parent survives, kills it at the timeout and starts a
 new one.
 
 Protocol, one JSON object per line on stdout, each behind ``_probe.PREFIX``
 (anything else there is ignored): the argument is ``{"job": "mirrored",
-"devices": [...], "parent": pid}``; the worker first writes
+"devices": [...], "parent": pid}``; the child first writes
 ``{"facts": {...}}``, then answers each ``{"check": NAME}`` read from stdin
 with ``{"values": [[device, [floats]], ...]}`` (every replica's all-reduced
 value) or ``{"error": [type, first line]}``, and each ``{"time": NAME,
-"payload_mb": MB}`` with ``{"ms": median}`` (see :mod:`safestrategy._timing`).
+"payload_mb": MB}`` with ``{"ms": median}`` (see :mod:`safestrategy.checks.timing`).
 Whatever else is printed to stdout after start-up goes to stderr.
+
+The ``"multiworker"`` job builds ``MultiWorkerMirroredStrategy`` with NCCL on the
+probe cluster its ``TF_CONFIG`` names (the workers' hosts, ports of the probe
+processes' own), runs one all-reduce in which replica *r* (numbered across all
+workers) contributes *r + 1*, and reports its local replicas' sums
+(``{"values": [...], "replicas": n}``). It then stays up until its parent closes
+it, because a peer may still be fetching its part of the all-reduce.
 
 The process ends with its parent: on Linux the kernel kills it when the parent
 dies (``PR_SET_PDEATHSIG``), and everywhere a watchdog thread exits it when
@@ -25,13 +32,14 @@ import queue
 import signal
 import sys
 import threading
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _mw_check
-from ._allreduce import all_reduce, first_line, session_config
-from ._devices import Device, parse_devices
-from ._tf import configure_logical_cpus, era, import_tf, list_physical_devices
-from ._timing import median_ms
+from .._devices import Device, cpu_count, parse_devices
+from .._tf import configure_logical_cpus, era, import_tf, list_physical_devices
+from ..backends import build_multiworker_strategy
+from .allreduce import VECTOR_SIZE, check_values, first_line, session_config
+from .probe import PREFIX
+from .timing import median_ms
 
 Send = Callable[[Dict[str, Any]], None]
 
@@ -69,8 +77,6 @@ def connect(request: Dict[str, Any]) -> Tuple[Send, "queue.Queue[str]"]:
 
     Returns the function that sends a protocol message, and the queue of requests.
     """
-    from ._probe import PREFIX
-
     die_with_parent(request.get("parent"))
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints (TensorFlow's) go to stderr, not into the protocol
@@ -98,7 +104,7 @@ class Checker:
     def __init__(self, devices: Sequence[Device]) -> None:
         self.tf = import_tf()
         self.era = era(self.tf.__version__)
-        cpus = max([d.index + 1 for d in devices if d.kind == "CPU"] or [1])
+        cpus = cpu_count(devices)
         if self.tf.__version__.startswith("2."):
             self.config = None
             _configure_tf2(self.tf, cpus)
@@ -108,7 +114,7 @@ class Checker:
         self.facts = {"tf_version": self.tf.__version__}  # the handshake: started and ready
 
     def all_reduce(self, name: str) -> Any:
-        return all_reduce(self.tf, self.era, self.devices, name, self.config)
+        return check_values(self.tf, self.era, self.devices, name, self.config)
 
     def time(self, name: str, payload_mb: float) -> float:
         return median_ms(self.tf, self.era, self.devices, name, payload_mb, self.config)
@@ -128,8 +134,42 @@ def _mirrored(request: Dict[str, Any], send: Send, requests: "queue.Queue[str]")
             send({"error": first_line(error)})
 
 
+def multiworker_all_reduce(tf: Any, strategy: Any) -> Tuple[List[Any], int]:
+    """One sum all-reduce across every replica of every worker: (local values, replicas)."""
+
+    def step() -> Any:
+        context = tf.distribute.get_replica_context()
+        value = tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.fill([VECTOR_SIZE], value))
+
+    run = getattr(strategy, "run", None) or strategy.experimental_run_v2  # TF 2.0/2.1
+    result = run(tf.function(step))
+    values = [
+        [str(tensor.device), [float(x) for x in tensor.numpy()]]
+        for tensor in strategy.experimental_local_results(result)
+    ]
+    return values, int(strategy.num_replicas_in_sync)
+
+
+def _multiworker(request: Dict[str, Any], send: Send, requests: "queue.Queue[str]") -> int:
+    """The ``"multiworker"`` job (see the module docstring)."""
+    tf = import_tf()
+    gpus = list_physical_devices(tf, "GPU")
+    for gpu in gpus:  # take only what the tiny all-reduce needs
+        tf.config.experimental.set_memory_growth(gpu, True)
+    send({"facts": {"tf_version": tf.__version__, "gpus": len(gpus)}})
+    name = json.loads(requests.get())["check"]
+    try:
+        values, replicas = multiworker_all_reduce(tf, build_multiworker_strategy(tf, name, {}))
+        send({"values": values, "replicas": replicas})
+    except Exception as error:
+        send({"error": list(first_line(error))})
+    while True:  # until the parent closes stdin: the watchdog then ends the process
+        requests.get()
+
+
 #: What a probe process can be asked to do, by the request's "job".
-JOBS = {"mirrored": _mirrored, "multiworker": _mw_check.job}
+JOBS = {"mirrored": _mirrored, "multiworker": _multiworker}
 
 
 def main(argv: Sequence[str]) -> int:

@@ -1,24 +1,28 @@
 """make_multiworker_strategy(): the same safety when training outgrows one machine.
 
-Settings and TF_CONFIG in, then the workers agree (:mod:`safestrategy._rendezvous`)
-on facts gathered here without starting TensorFlow's runtime (GPU count, NCCL
-kernel count), NCCL's cross-worker check runs in probe processes
-(:mod:`safestrategy._mw_check`) only when it can mean something, the choice is
-a pure function of what every worker reported (:mod:`safestrategy._mw_choose`),
-and TensorFlow's own ``MultiWorkerMirroredStrategy`` is built with it.
+Settings and TF_CONFIG in, then the workers agree (:mod:`.rendezvous`) on facts
+gathered here without starting TensorFlow's runtime (GPU count, NCCL kernel
+count), NCCL's cross-worker check runs in probe processes
+(:func:`attempt`, the child's ``"multiworker"`` job) only when it can mean
+something, through the one remedy loop (:mod:`safestrategy.checks.nccl`); the
+one chooser (:mod:`safestrategy.choose`) decides with the pure multi-worker
+rules (:mod:`.agree`) on what every worker reported, and TensorFlow's own
+``MultiWorkerMirroredStrategy`` is built with it.
 The design, and what happens when a worker disagrees, dies or never comes,
 is in docs/multiworker.md.
 """
 
+import itertools
+import json
 import logging
 import platform as _platform
 import socket
 import threading
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+import time
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import _cluster, _mw_check, _mw_choose, _nccl, _probe, _tf, _watchdog, factory
-from ._cluster import Cluster
-from ._env import (
+from .. import _machine, _tf, _watchdog, choose
+from .._env import (
     ENV_NCCL_REMEDIES,
     Setting,
     resolve_communication,
@@ -26,12 +30,20 @@ from ._env import (
     resolve_switch,
     resolve_timeout,
 )
-from ._rendezvous import MissingWorkersError, Rendezvous
-from .backends import check_kwargs
-from .factory import NoWorkingBackendError
-from .report import FAILED, OK, TIMEOUT, CandidateResult, Report
-
-__all__ = ["MissingWorkersError", "make_multiworker_strategy"]
+from ..backends import NCCL, RING, build_multiworker_strategy, check_kwargs
+from ..checks import nccl, probe
+from ..report import (
+    FAILED,
+    OK,
+    TIMEOUT,
+    CandidateResult,
+    NoWorkingBackendError,
+    Report,
+    set_last_report,
+)
+from . import agree, cluster
+from .cluster import Cluster
+from .rendezvous import MissingWorkersError, Rendezvous
 
 logger = logging.getLogger("safestrategy")
 
@@ -64,10 +76,10 @@ def request(communication: Optional[str] = None, timeout: Optional[float] = None
     setting = resolve_communication(communication)
     seconds = resolve_timeout(timeout)
     remedies = resolve_switch(ENV_NCCL_REMEDIES)
-    cluster = _cluster.read()
-    if cluster is None:
+    workers = cluster.read()
+    if workers is None:
         raise ValueError(NO_TF_CONFIG)
-    return Request(cluster, setting, seconds, remedies)
+    return Request(workers, setting, seconds, remedies)
 
 
 def require_tf2() -> str:
@@ -112,41 +124,76 @@ def _hello(request: Request, facts: Mapping[str, Any]) -> Dict[str, Any]:
         "gpus": facts.get("gpus"),
         "nccl_kernels": facts.get("nccl_kernels"),
         "tf_version": facts.get("tf_version"),
-        "user_nccl": list(_nccl.user_remedies()),
+        "user_nccl": list(nccl.user_remedies()),
         "remedies": request.remedies,
         "probe_port": _free_port(request.cluster.me.host),
     }
 
 
+def attempt(
+    tf_config: Mapping[str, Any], replicas: int, timeout: float, env: Mapping[str, str]
+) -> Tuple[CandidateResult, Optional[probe.ProbeProcess]]:
+    """Run NCCL's cross-worker check in a fresh probe process with ``env`` added.
+
+    Returns this worker's verdict and, when the check answered, the process still
+    running: the caller closes it once every worker has answered too.
+    """
+    full_env = {**env, "TF_CONFIG": json.dumps(tf_config)}
+    try:
+        process, _ = probe.start({"job": "multiworker"}, timeout, full_env)
+    except probe.ProbeDied as error:
+        return CandidateResult(NCCL, FAILED, str(error)), None
+    started = time.monotonic()
+    try:
+        reply = process.ask({"check": NCCL}, timeout)
+    except probe.ProbeTimeout as error:
+        return CandidateResult(NCCL, TIMEOUT, str(error), timeout), None
+    except probe.ProbeDied as error:
+        process.close()
+        return CandidateResult(NCCL, FAILED, str(error), round(time.monotonic() - started, 3)), None
+    except BaseException:
+        process.close()
+        raise
+    return agree.judge(reply, replicas, time.monotonic() - started), process
+
+
 def _nccl_check(
     rendezvous: Rendezvous, request: Request, hellos: Mapping[str, Any]
 ) -> CandidateResult:
-    """NCCL's verdict agreed by every worker: from the facts, or from checks run together."""
-    gated = _mw_choose.gate(request.setting, hellos)
+    """NCCL's verdict agreed by every worker: from the facts, or from checks run together,
+    through the one remedy loop (each remedy an attempt on every worker at once)."""
+    gated = agree.gate(request.setting, hellos)
     if gated is not None:
         return gated
-    cluster = request.cluster
-    config = _cluster.probe_config(cluster, [hellos[a.task]["probe_port"] for a in cluster.workers])
-    replicas = _mw_choose.expected_replicas(hellos)
+    workers = request.cluster.workers
+    config = cluster.probe_config(
+        request.cluster, [hellos[address.task]["probe_port"] for address in workers]
+    )
+    replicas = agree.expected_replicas(hellos)
     # A peer's probe process may take its start-up time plus one check: wait for that.
-    wait = max(_probe.STARTUP_TIMEOUT, request.timeout) + request.timeout + 30
-    results: List[Tuple[Dict[str, str], CandidateResult]] = []
-    for number, env in enumerate(_mw_choose.remedy_attempts(hellos)):
-        if results and not _mw_choose.remediable(results[0][1]):
-            break
-        mine, process = _mw_check.attempt(config, replicas, request.timeout, env)
-        logger.debug("cross-worker NCCL check %s: %s %s", env, mine.status, mine.reason)
+    wait = max(probe.STARTUP_TIMEOUT, request.timeout) + request.timeout + 30
+    rounds = itertools.count()
+
+    def together(remedy: Mapping[str, str]) -> CandidateResult:
+        mine, process = attempt(config, replicas, request.timeout, remedy)
+        logger.debug("cross-worker NCCL check %s: %s %s", remedy, mine.status, mine.reason)
         try:  # keep a passing probe process up until every peer has its answer
             verdicts = rendezvous.exchange(
-                f"nccl-{number}", mine.to_dict(), wait, "waiting for the others' NCCL check"
+                f"nccl-{next(rounds)}",
+                mine.to_dict(),
+                wait,
+                "waiting for the others' NCCL check",
             )
         finally:
             if process is not None:
                 process.close()
-        results.append((env, _mw_choose.combine(verdicts, env)))
-        if results[-1][1].status == OK:
-            break
-    return _nccl.after_remedies(results[0][1], results[1:], " on every worker")
+        return agree.combine(verdicts, remedy)
+
+    first, *remedies = agree.remedy_attempts(hellos)
+    result = together(first)
+    if not agree.remediable(result):
+        remedies = []
+    return nccl.with_remedies(result, remedies, together, " on every worker")
 
 
 def decide(
@@ -163,75 +210,65 @@ def decide(
     """
     if facts is None:
         facts = local_facts(_tf.import_tf())
-    cluster, setting = request.cluster, request.setting
+    workers, setting = request.cluster, request.setting
     with _lock:
-        session = _sessions.get(cluster.task, 0) + 1
+        session = _sessions.get(workers.task, 0) + 1
     met = False
     try:
-        with Rendezvous(cluster.me, cluster.peers, session) as rendezvous:
+        with Rendezvous(workers.me, workers.peers, session) as rendezvous:
             hellos = rendezvous.exchange(
                 "hello", _hello(request, facts), request.timeout, "waiting for the other workers"
             )
             met = True
-            problem = _mw_choose.disagreement(hellos)
+            problem = agree.disagreement(hellos)
             if problem is not None:
                 raise ValueError(problem)
 
             def check(name: str) -> CandidateResult:
-                if name == _mw_choose.RING:
-                    result = CandidateResult(name, OK, _mw_choose.RING_REASON)
+                if name == RING:
+                    result = CandidateResult(name, OK, agree.RING_REASON)
                 else:
                     result = _nccl_check(rendezvous, request, hellos)
                 if on_result is not None:
                     on_result(result)
                 return result
 
-            decision = _mw_choose.decide(setting, check)
+            decision = choose.decide(setting, check, race=False, why=agree.why)
     except MissingWorkersError:
         met = False
         raise
     finally:
         if met:
             with _lock:
-                _sessions[cluster.task] = session
+                _sessions[workers.task] = session
     gpus = int(facts.get("gpus") or 0)
     report = Report(
         backend=decision.backend or "none",
         source=setting.source,
         mode=setting.mode,
         devices=tuple(f"/device:GPU:{i}" for i in range(gpus)) or ("/device:CPU:0",),
-        platform=_probe.system(),
+        platform=_machine.system(),
         tf_version=str(facts.get("tf_version")),
         tf_api=_tf.tf_api(str(facts.get("tf_version"))),
         candidates=decision.results,
         reason=decision.reason,
-        wsl=_probe.is_wsl(),
+        wsl=_machine.is_wsl(),
         nccl_kernels=facts.get("nccl_kernels"),
         python=_platform.python_version(),
-        workers=len(cluster.workers),
-        task=cluster.task,
+        workers=len(workers.workers),
+        task=workers.task,
     )
     if decision.backend is None:
-        workers = [address.task for address in cluster.workers]
-        raise NoWorkingBackendError(
-            _mw_choose.failure_message(workers, decision.results, setting), report
-        )
+        tasks = [address.task for address in workers.workers]
+        raise NoWorkingBackendError(agree.failure_message(tasks, decision.results, setting), report)
     return report
 
 
 def _log(report: Report, setting: Setting, workers: Sequence[str]) -> None:
     """One WARNING per fallback, then the choice at INFO."""
-    for failed in (r for r in report.candidates if r.status in (FAILED, TIMEOUT)):
-        logger.warning(
-            "multi-worker communication %s %s across %s (%s); using %s instead. To choose "
-            "yourself, %s.",
-            failed.name,
-            "timed out" if failed.status == TIMEOUT else "failed",
-            ", ".join(workers),
-            failed.reason.strip().splitlines()[0] if failed.reason.strip() else "",
-            report.backend,
-            _mw_choose.override_hint(setting),
-        )
+    where = f"across {', '.join(workers)}"
+    hint = agree.override_hint(setting)
+    choose.log_fallbacks(report, logging.WARNING, "multi-worker communication", where, hint)
     logger.info(
         "using multi-worker communication %s (%s of %d workers): %s",
         report.backend,
@@ -283,9 +320,9 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     _log(report, req.setting, workers)
     chosen = next(c for c in report.candidates if c.name == report.backend)
     if chosen.remedy:
-        _nccl.apply_remedy(chosen.remedy, workers)
-    strategy = _mw_check.build_strategy(tf, report.backend, kwargs)
-    factory._set_last_report(report)
+        nccl.apply_remedy(chosen.remedy, workers)
+    strategy = build_multiworker_strategy(tf, report.backend, kwargs)
+    set_last_report(report)
     _watchdog.watch(stall_settings, report)
     timeout = getattr(kwargs.get("communication_options"), "timeout_seconds", None)
     if timeout:

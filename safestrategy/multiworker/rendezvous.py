@@ -48,7 +48,7 @@ import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from ._cluster import Address
+from .cluster import Address
 
 PROTOCOL = "safestrategy-rendezvous-2"  # 2: messages name their attempt
 #: Seconds one connection may take to connect, or to answer once connected.

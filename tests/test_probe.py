@@ -1,6 +1,6 @@
 """The probe-process seam: hangs, crashes, garbage, dead starts and orphans, faked.
 
-A real broken NCCL cannot be had on a CPU, so ``_probe.WORKER_COMMAND`` is
+A real broken NCCL cannot be had on a CPU, so ``_probe.CHILD_COMMAND`` is
 pointed at tests/fake_worker.py and TensorFlow is made to "have" GPUs and NCCL
 kernels (the ``fake`` fixture in conftest.py). Everything on the caller's side
 (starting, timeouts, killing, reaping, judging sums, reporting, caching) and
@@ -16,7 +16,7 @@ import time
 import pytest
 
 import safestrategy
-from safestrategy import _probe
+from safestrategy.checks import probe as _probe
 
 from .conftest import FAKE_WORKER, GPUS, ROOT
 
@@ -101,13 +101,13 @@ def test_a_forced_nccl_whose_probe_cannot_start_raises(fake):
     ],
 )
 def test_an_unusable_interpreter_is_a_reason_not_a_raw_exception(fake, monkeypatch, command, why):
-    monkeypatch.setattr(_probe, "WORKER_COMMAND", command)
+    monkeypatch.setattr(_probe, "CHILD_COMMAND", command)
     result = nccl_result(fake, "ok")
     assert result.status == "failed" and "could not start" in result.reason and why in result.reason
 
 
 def test_an_interpreter_that_does_not_exist_is_a_reason(fake, monkeypatch):
-    monkeypatch.setattr(_probe, "WORKER_COMMAND", None)
+    monkeypatch.setattr(_probe, "CHILD_COMMAND", None)
     monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python3")
     result = nccl_result(fake, "ok")
     assert result.status == "failed" and "FileNotFoundError" in result.reason
@@ -154,7 +154,7 @@ def test_a_death_after_only_tensorflows_banner_quotes_no_last_output(fake, monke
 
 
 def test_a_frozen_application_does_not_start_itself_again(fake, monkeypatch):
-    monkeypatch.setattr(_probe, "WORKER_COMMAND", None)
+    monkeypatch.setattr(_probe, "CHILD_COMMAND", None)
     monkeypatch.setattr(sys, "frozen", True, raising=False)
     result = nccl_result(fake, "ok")
     assert "frozen application" in result.reason
@@ -181,8 +181,9 @@ def test_wrong_sums_are_rejected_with_expected_and_got(fake):
 CALLER = """
 import sys, time
 import safestrategy
-from safestrategy import _devices, _probe, _tf
-_probe.WORKER_COMMAND = [sys.executable, {fake!r}]
+from safestrategy import _devices, _machine, _tf
+from safestrategy.checks import probe as _probe
+_probe.CHILD_COMMAND = [sys.executable, {fake!r}]
 _tf.nccl_kernel_count = lambda tf: 1
 gpus = (_devices.Device("GPU", 0), _devices.Device("GPU", 1))
 _tf.visible_devices = lambda tf: _devices.Visible((_devices.Device("CPU", 0),) + gpus)

@@ -1,4 +1,4 @@
-"""NCCL's verdict on a device set: the one mechanism the factory and nccl_ops share.
+"""NCCL's verdict on a device set, and the one remedy loop every NCCL check goes through.
 
 NCCL is the only backend that can hang or abort, so it is the only one checked
 in a probe process, and only when it can possibly work:
@@ -13,6 +13,10 @@ in a probe process, and only when it can possibly work:
    first that passes keeps NCCL, and :func:`apply_remedy` sets it for this
    process. Each attempt costs at most one timeout.
 
+:func:`with_remedies` is that retry loop, and the only one: NCCL's check, a
+``collective`` on NCCL, a stalled NCCL's retries (:mod:`safestrategy.checks.stalls`)
+and the multi-worker check all go through it.
+
 Verdicts from a probe process that ran the check (pass, fail, timeout, crash)
 are cached; one that could not start, or that ran out of GPU memory, is not.
 """
@@ -24,15 +28,26 @@ import shlex
 import shutil
 import subprocess
 import sys
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
-from . import _cache, _env, _machine, _probe, _tf
-from ._devices import Device, parse_device
-from .report import FAILED, OK, TIMEOUT, CandidateResult
+from .. import _cache, _env, _machine, _tf
+from .._devices import Device, parse_device
+from ..backends import NCCL
+from ..report import FAILED, OK, TIMEOUT, CandidateResult
+from . import probe
 
 logger = logging.getLogger("safestrategy")
-
-NCCL = "nccl"
 
 #: NCCL's troubleshooting fixes, in the order they are tried.
 REMEDIES: Tuple[Tuple[str, str], ...] = (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))
@@ -116,12 +131,12 @@ def _attempt(
     """NCCL's smoke all-reduce (backend ``name``) in one fresh probe process, ``env`` added."""
     request = {"job": "mirrored", "devices": [str(device) for device in devices]}
     try:
-        process, _ = _probe.start(request, timeout, env)
-    except _probe.ProbeDied as error:
+        process, _ = probe.start(request, timeout, env)
+    except probe.ProbeDied as error:
         reason = str(error)
         return _Attempt(CandidateResult(name, FAILED, reason, 0.0), False)
     with process:
-        result = _probe.check(process, name, len(devices), timeout)
+        result = probe.check(process, name, len(devices), timeout)
         output = " ".join(process.stderr)
     text = (result.reason + output).lower().replace(" ", "")
     if result.status == FAILED and any(word in text for word in _OUT_OF_MEMORY):
@@ -192,22 +207,56 @@ def _setting(env: Mapping[str, str]) -> str:
     return ", ".join(f"{name}={value}" for name, value in env.items())
 
 
+def untried(after: Mapping[str, str], taken: Collection[str]) -> List[Dict[str, str]]:
+    """NCCL's remedies not tried yet, in order: those after the one ``after`` names (``{}``:
+    from the first), without any whose variable is ``taken`` (the user's own)."""
+    names = [name for name, _ in REMEDIES]
+    tried = [names.index(name) for name in after if name in names]
+    start = max(tried) + 1 if tried else 0
+    return [{name: value} for name, value in REMEDIES[start:] if name not in taken]
+
+
+def with_remedies(
+    first: CandidateResult,
+    remedies: Sequence[Mapping[str, str]],
+    attempt: Callable[[Mapping[str, str]], CandidateResult],
+    where: str = "",
+    skipped: Optional[Mapping[str, str]] = None,
+) -> CandidateResult:
+    """The one remedy loop: after ``first`` (a result without remedy, or a stall record's),
+    ``attempt(remedy)`` for each of ``remedies`` in order until one passes; the verdict as
+    :func:`after_remedies` words it (``where``, ``skipped`` as there)."""
+    later: List[Tuple[Mapping[str, str], CandidateResult]] = []
+    for remedy in remedies:
+        later.append((remedy, attempt(remedy)))
+        if later[-1][1].status == OK:
+            break
+    return after_remedies(first, later, where, skipped)
+
+
 def _run(devices: Sequence[Device], opts: Options, name: str) -> _Attempt:
     first = _attempt(devices, opts.timeout, {}, name)
     if not (opts.remedies and _remediable(first)):
         return first
-    later: List[Tuple[Dict[str, str], CandidateResult]] = []
-    cacheable = True
     user = user_remedies()  # the user's own setting is never overridden, nor its remedy tried
-    for variable, value in REMEDIES:
-        if variable in user:
-            continue
-        attempt = _attempt(devices, opts.timeout, {variable: value}, name)
-        later.append(({variable: value}, attempt.result))
-        if attempt.result.status == OK:
-            cacheable = attempt.cacheable
-            break
-    return _Attempt(after_remedies(first.result, later, skipped=user), cacheable)
+    cacheable = [True]
+
+    def attempt(remedy: Mapping[str, str]) -> CandidateResult:
+        tried = _attempt(devices, opts.timeout, remedy, name)
+        if tried.result.status == OK:
+            cacheable[0] = tried.cacheable
+        return tried.result
+
+    result = with_remedies(first.result, untried({}, user), attempt, skipped=user)
+    return _Attempt(result, cacheable[0])
+
+
+def attempt(
+    devices: Sequence[Device], timeout: float, remedy: Mapping[str, str], name: str = NCCL
+) -> CandidateResult:
+    """Backend ``name``'s smoke check on ``devices`` in one fresh probe process, with
+    ``remedy`` set (a stalled NCCL's retries)."""
+    return _attempt(devices, timeout, remedy, name).result
 
 
 def verdict(tf: Any, devices: Sequence[Device], opts: Options, name: str = NCCL) -> CandidateResult:

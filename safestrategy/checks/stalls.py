@@ -14,8 +14,10 @@ import datetime
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _cache, _env, _machine, _nccl, _tf
-from .report import FAILED, OK, CandidateResult, Report, Stall
+from .. import _cache, _env, _machine, _tf
+from ..backends import NCCL
+from ..report import FAILED, CandidateResult, Report, Stall
+from . import nccl
 
 logger = logging.getLogger("safestrategy")
 
@@ -42,7 +44,7 @@ def directory(cache: bool = True) -> Optional[str]:
 
 def refresh_command(devices: Sequence[str]) -> str:
     """The exact command that forgets the stalls recorded for ``devices``."""
-    return _nccl.refresh_command(devices)
+    return nccl.refresh_command(devices)
 
 
 def record(tf: Any, report: Report, seconds: float) -> None:
@@ -98,29 +100,17 @@ def reason(stall: Stall, devices: Sequence[str]) -> str:
     )
 
 
-def _untried_remedies(stall: Stall) -> List[Tuple[str, str]]:
-    """NCCL's remedies after the one that stalled, without the user's own variables."""
-    names = [name for name, _ in _nccl.REMEDIES]
-    tried = [names.index(name) for name in stall.remedy if name in names]
-    after = max(tried) + 1 if tried else 0
-    user = _nccl.user_remedies()
-    return [(name, value) for name, value in _nccl.REMEDIES[after:] if name not in user]
-
-
-def verdict(stall: Stall, devices: Sequence[Any], opts: _nccl.Options) -> CandidateResult:
+def verdict(stall: Stall, devices: Sequence[Any], opts: nccl.Options) -> CandidateResult:
     """A stalled backend's result: failed, except that NCCL first gets the remedy not
     tried yet, each in a fresh probe process (not cached: the record decides next time)."""
     names = [str(device) for device in devices]
     failed = CandidateResult(stall.backend, FAILED, reason(stall, names), 0.0, cached=True)
-    if stall.backend != _nccl.NCCL or not opts.remedies:
+    if stall.backend != NCCL or not opts.remedies:
         return failed
-    later = []
-    for name, value in _untried_remedies(stall):
-        attempt = _nccl._attempt(devices, opts.timeout, {name: value})
-        later.append(({name: value}, attempt.result))
-        if attempt.result.status == OK:
-            break
-    return _nccl.after_remedies(failed, later)
+    remedies = nccl.untried(stall.remedy, nccl.user_remedies())
+    return nccl.with_remedies(
+        failed, remedies, lambda remedy: nccl.attempt(devices, opts.timeout, remedy)
+    )
 
 
 def warn_forced(report: Report, setting: _env.Setting) -> None:

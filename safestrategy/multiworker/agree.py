@@ -1,21 +1,23 @@
-"""Pure multi-worker decisions: (setting, every worker's facts and verdicts) -> communication.
+"""The multi-worker rules, pure: (setting, every worker's facts and verdicts) -> what they agree.
 
 Every worker runs these functions on the same messages (see
-:mod:`safestrategy._rendezvous`), so every worker reaches the same answer.
-Nothing here imports TensorFlow or touches the network: each path is tested
-from hand-built inputs.
+:mod:`safestrategy.multiworker.rendezvous`), so every worker reaches the same
+answer. They are the inputs the one chooser (:mod:`safestrategy.choose`) takes
+for multi-worker training: NCCL only where every worker has GPUs and kernels
+(:func:`gate`) and its check passed on every worker (:func:`combine`), else
+RING, in the words of :func:`why`. Nothing here imports TensorFlow or touches
+the network: each path is tested from hand-built inputs.
 """
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from . import choose
-from ._env import ENV_COMMUNICATION, Setting
-from ._nccl import NO_KERNELS, REMEDIES
-from .choose import Decision
-from .report import FAILED, NOT_TRIED, OK, SKIPPED, TIMEOUT, CandidateResult
+from .. import choose
+from .._env import ENV_COMMUNICATION, Setting
+from ..backends import NCCL, NO_GPU, RING
+from ..checks.allreduce import from_reply, wrong_sums
+from ..checks.nccl import NO_KERNELS, REMEDIES
+from ..report import FAILED, NOT_TRIED, OK, SKIPPED, TIMEOUT, CandidateResult
 
-NCCL, RING = "nccl", "ring"
-NO_GPU = "no GPU among the devices"
 RING_REASON = (
     "not checked in a probe process: RING is TensorFlow's collective over the gRPC "
     "connections between the workers, which cannot hang on NCCL's P2P/SHM/driver faults"
@@ -101,22 +103,8 @@ def remediable(result: CandidateResult) -> bool:
     return result.status in (FAILED, TIMEOUT) and "No OpKernel was registered" not in result.reason
 
 
-def decide(setting: Setting, check: Callable[[str], CandidateResult]) -> Decision:
-    """Walk the setting's names in order, calling ``check(name)`` until one passes."""
-    results: List[CandidateResult] = []
-    chosen = None
-    for name in setting.names:
-        if chosen is not None:
-            results.append(CandidateResult(name, NOT_TRIED, f"{chosen} was chosen"))
-            continue
-        result = check(name)
-        results.append(result)
-        if result.status == OK:
-            chosen = name
-    return Decision(chosen, _why(setting, chosen, results), tuple(results))
-
-
-def _why(setting: Setting, chosen: Optional[str], results: Sequence[CandidateResult]) -> str:
+def why(setting: Setting, chosen: Optional[str], results: Sequence[CandidateResult]) -> str:
+    """Why the workers chose ``chosen``: the multi-worker words for the chooser."""
     if chosen is None:
         return "no communication passed its check on every worker"
     if chosen == NCCL:
@@ -133,7 +121,7 @@ def _why(setting: Setting, chosen: Optional[str], results: Sequence[CandidateRes
 
 def override_hint(setting: Setting) -> str:
     """How the caller chooses another communication, given who chose this time."""
-    return choose.override_hint(setting, "communication", ENV_COMMUNICATION, "ring")
+    return choose.override_hint(setting, "communication", ENV_COMMUNICATION, RING)
 
 
 def failure_message(
@@ -146,3 +134,20 @@ def failure_message(
         f"To choose another, {override_hint(setting)}. Run `python -m safestrategy` on every "
         "worker (TF_CONFIG set) for the full report.",
     )
+
+
+def judge(reply: Mapping[str, Any], replicas: int, seconds: float) -> CandidateResult:
+    """This worker's verdict on its probe process's cross-worker all-reduce reply,
+    ``replicas`` being expected."""
+    seconds = round(seconds, 3)
+    if "values" not in reply:
+        return from_reply(NCCL, reply, replicas, seconds)
+    if reply.get("replicas") != replicas:
+        reason = f"{reply.get('replicas')} replicas in sync, expected {replicas} (one per GPU)"
+        return CandidateResult(NCCL, FAILED, reason, seconds)
+    local = len(reply["values"])
+    wrong = wrong_sums(reply["values"], replicas, local or 1)
+    if wrong:
+        return CandidateResult(NCCL, FAILED, wrong, seconds)
+    expected = replicas * (replicas + 1) / 2
+    return CandidateResult(NCCL, OK, f"{local} local replicas got {expected:g}", seconds)

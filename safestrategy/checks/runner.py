@@ -1,0 +1,230 @@
+"""Where each candidate is checked and timed, for one device set, and its timings kept.
+
+What may hang (NCCL, a ``collective`` on NCCL) runs in a probe process: NCCL's
+verdicts through :mod:`safestrategy.checks.nccl`, the rest of what must run
+there (TF 1.x sessions on GPU sets, the timing of what may hang) in one shared
+probe process (:class:`~safestrategy.checks.probe.Shared`). A backend with a
+stall record gets its record's verdict (:mod:`safestrategy.checks.stalls`).
+Everything else runs here, in the caller's process (in a helper thread,
+outside the caller's strategy scope, in the caller's execution mode), on the
+caller's own devices.
+
+While racing (a cold ``auto`` decision), an in-process check is the first run
+of the candidate's payload race (:class:`Races`), judged like a smoke check
+and kept to be timed: each candidate is traced once. :func:`decide` wraps the
+chooser with the timing cache: a warm ``auto`` checks only its cached winner.
+"""
+
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .. import _cache, _env, _tf, choose
+from .._devices import Device, cpu_count
+from .._env import Setting
+from ..backends import (
+    COLLECTIVE,
+    NCCL,
+    NCCL_IMPLEMENTATION,
+    NO_GPU,
+    collective_live,
+    get_backend,
+    unavailable,
+)
+from ..choose import Decision
+from ..report import FAILED, OK, CandidateResult, Stall
+from . import allreduce, nccl, probe, stalls, timing
+
+logger = logging.getLogger("safestrategy")
+
+
+class Races:
+    """The in-process candidates' payload races for one device set: each built once, its
+    first run judged as its check, then timed (screened, then in full)."""
+
+    def __init__(self, tf: Any, names: Sequence[str], config: Any, payload_mb: float) -> None:
+        self.tf, self.names, self.config = tf, list(names), config
+        self.era = _tf.era(tf.__version__)
+        self.sizes = allreduce.payload_sizes(payload_mb)
+        self.ready: Dict[str, allreduce.Race] = {}  #: checked on the payload, to be timed
+        self._inputs: Optional[Any] = None
+
+    def check(self, name: str, timeout: Optional[float]) -> Optional[CandidateResult]:
+        """``name``'s check as its race's first run; None when the race could not be built or
+        run (e.g. no memory for the payload): the small smoke check decides then."""
+        started = time.monotonic()
+        try:
+            checked = self._checked(name, timeout)
+        except Exception as error:
+            logger.debug("%s's payload race failed (%s): the smoke check decides", name, error)
+            return None
+        seconds = time.monotonic() - started
+        result = allreduce.judge(name, checked.values, len(self.names), seconds)
+        if result.status == OK:
+            self.ready[name] = checked.race
+        else:
+            checked.race.close()
+        return result
+
+    def _checked(self, name: str, timeout: Optional[float]) -> allreduce.Checked:
+        """``name``'s payload race after its first run (``PlacementError``: misplaced)."""
+        eager = self.config is None
+        if eager and self._inputs is None:  # eager: one payload for all
+            self._inputs = allreduce.in_fresh_thread(
+                lambda: allreduce.payload(self.tf, self.names, self.sizes)
+            )
+        ready = allreduce.race(
+            self.tf, self.era, self.names, name, self.sizes, self.config, timeout, self._inputs
+        )
+        try:
+            return allreduce.Checked(ready, allreduce.checked(ready, self.names, eager))
+        except BaseException:
+            ready.close()
+            raise
+
+    def time(self, names: Sequence[str], timeout: float) -> Dict[str, Optional[float]]:
+        """Median ms of each candidate's payload all-reduce (None: it could not be timed).
+        Each runs once first; only those within :data:`~safestrategy.checks.timing.SCREEN`
+        of the fastest of these runs are run :data:`~safestrategy.checks.timing.RUNS`
+        times: a clear loser's time is its one run."""
+        timings: Dict[str, Optional[float]] = {}
+        firsts: Dict[str, float] = {}
+        for name in names:
+            try:
+                if name not in self.ready:  # checked small (a warm winner failed): warm up
+                    self.ready[name] = self._checked(name, timeout).race
+                firsts[name] = timing.timed_ms(self.ready[name], 1)[0]
+            except Exception as error:
+                logger.debug("timing %s failed: %s", name, error)
+                timings[name] = None
+        contenders = timing.contenders(firsts)
+        for name, first in firsts.items():
+            more: List[float] = []
+            try:
+                if name in contenders:
+                    more = timing.timed_ms(self.ready[name], timing.RUNS - 1)
+            except Exception as error:
+                logger.debug("timing %s failed: %s", name, error)
+            timings[name] = timing.median([first, *more])
+        self.close()
+        return timings
+
+    def close(self) -> None:
+        for ready in self.ready.values():
+            ready.close()
+        self.ready.clear()
+        self._inputs = None
+
+
+class Runner:
+    """Checks and times the candidates for one device set, each where it belongs (see the
+    module docstring); a callable ``check(name)`` for :func:`safestrategy.choose.decide`."""
+
+    def __init__(
+        self,
+        tf: Any,
+        devices: Tuple[Device, ...],
+        opts: nccl.Options,
+        payload_mb: float,
+        graph: Optional[Any],
+        mode: str = "auto",
+        recorded: Tuple[Stall, ...] = (),
+    ) -> None:
+        """``graph``: the caller's :func:`~safestrategy.checks.allreduce.graph_api` (None:
+        eager), asked in the caller's thread: the checks run in threads of their own.
+        ``mode``: the setting's; ``recorded``: the backends that stalled in an earlier
+        training here (they fail, unless forced: the watchdog)."""
+        self.tf, self.devices, self.opts, self.payload_mb = tf, devices, opts, payload_mb
+        self.stalled = {s.backend: s for s in recorded} if mode != "forced" else {}
+        self.collective = collective_live(tf, devices)
+        self.era = _tf.era(tf.__version__)
+        self.names = [str(device) for device in devices]
+        self.gpu = any(device.kind == "GPU" for device in devices)
+        self.config = None  # eager; in graph mode, the config of the checks' own sessions
+        if graph is not None:
+            self.config = allreduce.session_config(graph, cpu_count(devices), gpus=False)
+        self.probe = probe.Shared({"job": "mirrored", "devices": self.names}, opts.timeout)
+        self.racing = False  #: check in-process candidates on the payload (see the module)
+        self.races = Races(tf, self.names, self.config, payload_mb)
+
+    def unavailable(self) -> Dict[str, str]:
+        """Candidates that cannot apply to these devices here, and why (``auto`` skips them)."""
+        return unavailable(self.devices, self.collective)
+
+    def _may_hang(self, name: str) -> bool:
+        return name == NCCL or (
+            name == COLLECTIVE and self.collective.implementation == NCCL_IMPLEMENTATION
+        )
+
+    def _elsewhere(self, name: str) -> bool:
+        """Checked and timed in the probe process (what may hang; TF 1.x sessions on GPUs)."""
+        return self._may_hang(name) or (self.config is not None and self.gpu)
+
+    def __call__(self, name: str) -> CandidateResult:
+        if name in self.stalled:
+            return stalls.verdict(self.stalled[name], self.devices, self.opts)
+        if name == NCCL:
+            return nccl.verdict(self.tf, self.devices, self.opts)
+        if name == COLLECTIVE:
+            if self.collective.implementation is None:
+                return CandidateResult(name, FAILED, self.collective.reason)
+            requested = f" ({self.collective.implementation} requested)"
+            if self._may_hang(name):
+                result = nccl.verdict(self.tf, self.devices, self.opts, name)
+            else:  # RING on CPUs: in-process, each op bounded by the timeout
+                result = self._here(name, self.opts.timeout)
+            return result._replace(reason=result.reason + requested)
+        if get_backend(name).needs_gpu and not self.gpu:
+            return CandidateResult(name, FAILED, NO_GPU)
+        if self._elsewhere(name):
+            return self.probe.check(name, len(self.devices))
+        return self._here(name)
+
+    def _here(self, name: str, timeout: Optional[float] = None) -> CandidateResult:
+        """An in-process check: the payload race's first run while racing, else (or when the
+        race could not be built or run) the small one."""
+        raced = self.races.check(name, timeout) if self.racing else None
+        if raced is not None:
+            return raced
+        return allreduce.smoke_check(self.tf, self.era, self.names, name, self.config, timeout)
+
+    def time_all(self, names: Sequence[str]) -> Dict[str, Optional[float]]:
+        """Median ms of each passing candidate's payload all-reduce (None: it could not be
+        timed): in the probe process for what runs there, else here (:class:`Races`)."""
+        elsewhere = [name for name in names if self._elsewhere(name)]
+        timings = {name: self.probe.time(name, self.payload_mb) for name in elsewhere}
+        here = [name for name in names if name not in timings]
+        timings.update(self.races.time(here, self.opts.timeout))
+        return {name: timings[name] for name in names}
+
+    def close(self) -> None:
+        self.races.close()
+        self.probe.close()
+
+
+def decide(
+    tf: Any,
+    setting: Setting,
+    opts: nccl.Options,
+    payload_mb: float,
+    mode: str,
+    runner: Runner,
+    check: Callable[[str], CandidateResult],
+) -> Decision:
+    """:func:`safestrategy.choose.decide` with the timings kept on disk: an ``auto`` decision
+    whose timings are cached checks only its winner and times nothing; fresh timings are
+    written, and those of a cached winner that fails now are dropped."""
+    directory = _env.cache_dir() if opts.cache and setting.mode == "auto" else None
+    key: Dict[str, Any] = {}
+    cached = None
+    if directory is not None:
+        key = timing.cache_key(tf, runner.devices, mode, payload_mb)
+        stored = None if opts.refresh else _cache.read(directory, "timing", key)
+        cached = timing.remembered(stored)
+    runner.racing = setting.mode == "auto" and cached is None
+    decision = choose.decide(setting, check, runner.time_all, runner.unavailable(), cached)
+    if key and decision.timed and decision.backend is not None:
+        _cache.write(directory, "timing", key, timing.stored(decision))
+    elif key and cached is not None and not decision.warm:
+        _cache.remove(directory, "timing", key)
+    return decision
