@@ -9,7 +9,11 @@ warm-up, then the median of :data:`RUNS`). ``algbw`` is bytes / time; ``busbw`` 
 figure comparable across device counts (a ring moves ``2(n-1)/n`` of the data per link).
 GB/s are 10^9 bytes per second, as nccl-tests prints them.
 
-Only backends whose smoke check passed are timed, in this process (the CLI's own).
+Only backends whose smoke check passed are timed. What may hang or abort (``nccl``, and
+``collective`` where it requested NCCL) is timed in a fresh probe process, bounded by the
+timeout for each size (:func:`safestrategy.checks.probe.sweep_ms`); the rest in this
+process (the CLI's own), as the checks did. A sweep that fails or times out is a
+:class:`Sweep` with the reason and no rows, and the other backends are still timed.
 matplotlib (the ``bench`` extra) draws the plot and is imported only for it.
 """
 
@@ -19,9 +23,11 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 
 from . import _tf
 from ._devices import cpu_count, parse_devices
-from .checks import nccl, timing
-from .checks.allreduce import graph_api, session_config
-from .report import OK, Report
+from ._env import DEFAULT_TIMEOUT
+from .backends import COLLECTIVE, NCCL, NCCL_IMPLEMENTATION
+from .checks import nccl, probe, timing
+from .checks.allreduce import first_line, graph_api, session_config
+from .report import OK, CandidateResult, Report
 
 #: Bytes per replica: 4 KiB, 16 KiB, ..., 64 MiB.
 SIZES = tuple(4096 * 4**power for power in range(8))
@@ -57,6 +63,8 @@ class Sweep(NamedTuple):
     backend: str
     chosen: bool
     rows: List[Row]
+    #: Why it could not be measured (then there are no rows); None when it was.
+    failed: Optional[str] = None
 
 
 def can_plot() -> bool:
@@ -70,11 +78,12 @@ def measure(
     timeout: Optional[float],
     before: Optional[Callable[[str], None]] = None,
 ) -> Iterator[Sweep]:
-    """Every passing backend's sweep over :data:`SIZES` on the report's devices, here,
-    each as soon as it is measured.
+    """Every passing backend's sweep over :data:`SIZES` on the report's devices, each as
+    soon as it is measured (or has failed: :attr:`Sweep.failed` says why).
 
-    ``before(name)`` is called as each backend starts (progress); an NCCL remedy the
-    backend needed is set first, as the factory would.
+    ``before(name)`` is called as each backend starts (progress). What may hang runs in a
+    fresh probe process with the NCCL remedy it needed, bounded by ``timeout`` seconds per
+    size (None: the default); the rest here, an NCCL remedy set first as the factory would.
     """
     devices = list(report.devices)
     parsed = parse_devices(devices)
@@ -87,11 +96,46 @@ def measure(
     for candidate in (c for c in report.candidates if c.status == OK):
         if before is not None:
             before(candidate.name)
-        nccl.apply_remedy(candidate.remedy, devices)
-        batches = [[size // 4] for size in SIZES]
-        times = timing.batches_ms(tf, era, devices, candidate.name, batches, config, timeout, RUNS)
-        rows = [Row(size, ms) for size, ms in zip(SIZES, times)]
-        yield Sweep(candidate.name, candidate.name == report.backend, rows)
+        chosen = candidate.name == report.backend
+        counts = [size // 4 for size in SIZES]
+        if _may_hang(candidate):
+            try:
+                times = _in_probe_process(devices, candidate, counts, timeout)
+            except (probe.ProbeTimeout, RuntimeError) as error:  # ProbeDied is one
+                yield Sweep(candidate.name, chosen, [], str(error))
+                continue
+        else:
+            try:
+                nccl.apply_remedy(candidate.remedy, devices)
+                batches = [[count] for count in counts]
+                times = timing.batches_ms(
+                    tf, era, devices, candidate.name, batches, config, timeout, RUNS
+                )
+            except Exception as error:  # whatever TensorFlow raises: a line, not a traceback
+                yield Sweep(candidate.name, chosen, [], "{}: {}".format(*first_line(error)))
+                continue
+        yield Sweep(candidate.name, chosen, [Row(size, ms) for size, ms in zip(SIZES, times)])
+
+
+def _may_hang(candidate: CandidateResult) -> bool:
+    """``nccl``, or ``collective`` where it requested NCCL (its reason says so): these run
+    in a probe process, as their checks did."""
+    requested = f"({NCCL_IMPLEMENTATION} requested)"
+    return candidate.name == NCCL or (
+        candidate.name == COLLECTIVE and candidate.reason.endswith(requested)
+    )
+
+
+def _in_probe_process(
+    devices: List[str], candidate: CandidateResult, counts: List[int], timeout: Optional[float]
+) -> List[float]:
+    """The sweep in a fresh probe process, given ``timeout`` seconds per size and closed
+    afterwards; raises ``ProbeTimeout``, ``ProbeDied`` or ``RuntimeError`` saying why not."""
+    per_size = DEFAULT_TIMEOUT if timeout is None else timeout
+    request = {"job": "mirrored", "devices": devices}
+    process, _ = probe.start(request, per_size, env=candidate.remedy)
+    with process:
+        return probe.sweep_ms(process, candidate.name, counts, RUNS, per_size * len(counts))
 
 
 def table(sweep: Sweep, replicas: int) -> str:
@@ -122,7 +166,8 @@ def _human(size: int) -> str:
 
 
 def plot(sweeps: Sequence[Sweep], report: Report, path: str) -> None:
-    """Bus bandwidth against size, one line per backend (the chosen one thick), to ``path``."""
+    """Bus bandwidth against size, one line per measured backend (the chosen one thick), to
+    ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")  # a file, no window: works without a display
@@ -130,7 +175,7 @@ def plot(sweeps: Sequence[Sweep], report: Report, path: str) -> None:
 
     replicas = len(report.devices)
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for sweep in sweeps:
+    for sweep in (sweep for sweep in sweeps if sweep.failed is None):
         axis.plot(
             [row.size for row in sweep.rows],
             [row.busbw(replicas) for row in sweep.rows],

@@ -1,8 +1,9 @@
 """Results that last: verdicts, timings and stall records, kept on disk between runs.
 
 One small JSON file per key, named by its kind (``nccl``, ...) and the key's
-hash, holding the whole key (a hash collision or a stale format reads as a
-miss) and when it was written. Entries older than :data:`MAX_AGE` are misses.
+hash (no kind may be another's followed by ``-``: :func:`entries` globs), holding
+the whole key (a hash collision or a stale format reads as a miss) and when it
+was written. Entries older than :data:`MAX_AGE` are misses.
 Writes go to a temporary file in the same folder and are renamed into place,
 so concurrent writers never leave a torn file. Only regular files of at most
 :data:`MAX_BYTES` are read (a symlink, a FIFO or a device at an entry's path

@@ -12,7 +12,7 @@ all three log.
 """
 
 import logging
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ._devices import Device
 from ._env import ENV_BACKEND, Setting
@@ -30,8 +30,8 @@ MARGIN = 0.03
 
 Check = Callable[[str], CandidateResult]
 #: Times the candidates that passed: for each, the median milliseconds of its payload
-#: all-reduce, or None when it could not be timed.
-Timer = Callable[[Sequence[str]], Mapping[str, Optional[float]]]
+#: all-reduce, or why it could not be timed (a str; None: no reason known).
+Timer = Callable[[Sequence[str]], Mapping[str, Union[float, str, None]]]
 #: Why a candidate won without a race, in the caller's words: (setting, chosen, results).
 Why = Callable[[Setting, Optional[str], Sequence[CandidateResult]], str]
 
@@ -105,21 +105,35 @@ def fastest(timed: Sequence[Tuple[str, float]]) -> Tuple[str, str]:
     return name, why
 
 
+def _ms_or_none(value: Union[float, str, None]) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _untimed(name: str, value: Union[float, str, None]) -> str:
+    """How the reason names a candidate that passed but could not be timed."""
+    return f"{name} passed but could not be timed" + (f": {value}" if value else "")
+
+
 def _auto_choice(results: List[CandidateResult], time: Optional[Timer]) -> Decision:
     """Of the candidates that passed, the fastest by the 3 % rule (timed when two or more
-    passed: one alone needs no race); untimed ones rank after every timed one."""
+    passed: one alone needs no race); untimed ones rank after every timed one and are
+    named in the reason. A decision with an untimed candidate is not kept as timings
+    (``timed`` False): the next launch races again."""
     passed = [r.name for r in results if r.status == OK]
     if len(passed) < 2 or time is None:
         chosen = passed[0] if passed else None
         return Decision(chosen, _why("only", chosen, results), tuple(results))
     timings = time(passed)
-    results = [r._replace(ms=timings[r.name]) if r.name in timings else r for r in results]
-    timed = [(name, ms) for name, ms in timings.items() if ms is not None]
+    results = [
+        r._replace(ms=_ms_or_none(timings[r.name])) if r.name in timings else r for r in results
+    ]
+    timed = [(name, ms) for name, ms in timings.items() if _ms_or_none(ms) is not None]
+    untimed = [_untimed(name, value) for name, value in timings.items() if name not in dict(timed)]
     if not timed:
         why = _why("first", passed[0], results) + "; none could be timed"
-        return Decision(passed[0], why, tuple(results), True)
-    chosen, why = fastest(timed)
-    return Decision(chosen, why, tuple(results), True)
+        return Decision(passed[0], "; ".join([why, *untimed]), tuple(results))
+    chosen, why = fastest([(name, float(ms)) for name, ms in timed])
+    return Decision(chosen, "; ".join([why, *untimed]), tuple(results), not untimed)
 
 
 def _warm(

@@ -14,10 +14,16 @@ marked, stdin watchdog). FAKE_WORKER selects how each check behaves:
   not JSON; "noisy" first writes 256 KiB of stderr with bytes that are not
   UTF-8 (nor cp1252, nor ASCII), then acts as "ok";
 - "hang-unless-VAR" / "error-unless-VAR": hang, or fail with an NCCL error,
-  unless the environment variable VAR is set (an NCCL that a remedy fixes).
+  unless the environment variable VAR is set (an NCCL that a remedy fixes);
+- "NAME-error-unless-VAR": only backend NAME's check fails with an NCCL error
+  unless VAR is set; every other check passes.
 
 A timing request ({"time": NAME}) is answered from FAKE_WORKER_MS ("nccl=1,collective=3"):
-by default NCCL takes 1.0 ms and anything else 2.0, as on a real multi-GPU machine.
+by default NCCL takes 1.0 ms and anything else 2.0, as on a real multi-GPU machine
+("NAME=hang": timing NAME hangs); a
+benchmark sweep ({"sweep": NAME, "sizes": [...]}) gets that time for every size. "hang"
+hangs both and "abort" aborts both, as a broken NCCL would; "sweep-hang" / "sweep-error"
+pass the check and time the payload, then hang or fail the sweep.
 
 FAKE_WORKER_PIDFILE, if set, receives the pid; FAKE_WORKER_LOG, if set, gets
 one line per start ("start" and the NCCL_* variables it was given);
@@ -53,6 +59,10 @@ if behaviour == "banner":
 for condition, broken in (("hang-unless-", "hang"), ("error-unless-", "nccl-error")):
     if behaviour.startswith(condition):
         behaviour = "ok" if behaviour[len(condition) :] in os.environ else broken
+failing = None  # "NAME-error-unless-VAR": the one backend whose check fails
+if "-error-unless-" in behaviour:
+    name, variable = behaviour.split("-error-unless-")
+    failing, behaviour = (None if variable in os.environ else name), "ok"
 
 from safestrategy.checks.child import connect  # noqa: E402
 from safestrategy.checks.probe import PREFIX  # noqa: E402  (after the banner, as in real life)
@@ -69,13 +79,28 @@ if behaviour == "slow-start":  # e.g. TensorFlow's import on a loaded machine
 devices = request["devices"] or ["/device:GPU:0", "/device:GPU:1"]
 send({"facts": {"tf_version": "2.99.0", "devices": devices, "gpus": 2, "nccl_kernels": 1}})
 n = len(devices)
+times = dict(pair.split("=") for pair in os.environ.get("FAKE_WORKER_MS", "").split(",") if pair)
+
+
+def ms(name):
+    return float(times.get(name, 1.0 if name == "nccl" else 2.0))
+
+
 while True:
     message = json.loads(requests.get())
-    if "time" in message and behaviour != "hang":  # timed after it passed: FAKE_WORKER_MS
-        times = dict(
-            pair.split("=") for pair in os.environ.get("FAKE_WORKER_MS", "").split(",") if pair
-        )
-        send({"ms": float(times.get(message["time"], 1.0 if message["time"] == "nccl" else 2.0))})
+    sweep = "sweep" in message  # a --benchmark sweep: "hang" hangs it, "abort" aborts
+    if sweep and behaviour == "sweep-hang":
+        time.sleep(3600)
+    elif sweep and behaviour == "sweep-error":
+        send({"error": ["InternalError", "NCCL: unhandled cuda error (fake sweep)"]})
+    elif sweep and behaviour not in ("hang", "abort"):
+        send({"ms": [ms(message["sweep"])] * len(message["sizes"])})
+    elif "time" in message and times.get(message["time"]) == "hang":
+        time.sleep(3600)
+    elif "time" in message and behaviour != "hang":  # timed after it passed: FAKE_WORKER_MS
+        send({"ms": ms(message["time"])})
+    elif message.get("check") is not None and message.get("check") == failing:
+        send({"error": ["InternalError", "NCCL: unhandled system error (fake)"]})
     elif behaviour == "hang":
         time.sleep(3600)
     elif behaviour == "abort":

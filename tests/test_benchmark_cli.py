@@ -1,6 +1,8 @@
 """``python -m safestrategy --benchmark`` / ``--plot``: the nccl-tests table, the PNG, progress."""
 
+import os
 import re
+import time
 
 import pytest
 
@@ -96,3 +98,216 @@ def test_elapsed_time_shows_while_nccl_is_checked(fake, capsys, monkeypatch):
     ticks = re.findall(r"^  \.\.\. (\d+) s elapsed$", checking, re.MULTILINE)
     assert len(ticks) >= 3  # every half second of the 3 s the hanging check took
     assert rest.split()[0] == "timeout"
+
+
+# What may hang runs in a probe process, bounded; a sweep or plot that fails is one line.
+
+#: Two sizes keep the sweeps (and a hung one's bound: the timeout per size) short.
+TWO_SIZES = (4096, 16384)
+
+
+def _report(devices, *candidates, backend=None):
+    """A report whose candidates passed as given: (name, reason, remedy)."""
+    from safestrategy.report import OK, CandidateResult, Report
+
+    results = tuple(
+        CandidateResult(name, OK, reason, 0.1, remedy=remedy) for name, reason, remedy in candidates
+    )
+    return Report(
+        backend=backend or results[0].name,
+        source="default",
+        mode="auto",
+        devices=tuple(devices),
+        platform="Linux",
+        tf_version="2.99.0",
+        tf_api="tf2",
+        candidates=results,
+        reason="fastest",
+    )
+
+
+def _args(timeout, plot=None):
+    import argparse
+
+    return argparse.Namespace(timeout=timeout, plot=plot)
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_hanging_nccl_sweep_is_killed_at_its_bound_and_the_others_still_print(
+    fake, tf, capsys, monkeypatch
+):
+    from safestrategy import cli
+
+    monkeypatch.setattr(_benchmark, "SIZES", TWO_SIZES)
+    pidfile = fake("hang")
+    report = _report(
+        ["/cpu:0", "/cpu:1"],
+        ("nccl", "", {"NCCL_P2P_DISABLE": "1"}),
+        ("reduce_to_cpu", "", {}),
+        backend="reduce_to_cpu",
+    )
+    started = time.monotonic()
+    status = cli._benchmark_and_plot(tf, report, _args(timeout=1.0))
+    assert time.monotonic() - started < 30  # 2 s for the hung sweep, then reduce_to_cpu here
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "# nccl: not measured: no answer within 2 s; the probe process was killed\n" in out
+    tables = _tables(out)
+    assert list(tables) == ["reduce_to_cpu"]
+    assert [row[0] for row in tables["reduce_to_cpu"][1]] == list(TWO_SIZES)
+    assert _gone(int(pidfile.read_text()))
+    # the remedy went to the probe process, not into the CLI's own environment
+    assert fake.starts() == ["start NCCL_P2P_DISABLE=1"]
+    assert "NCCL_P2P_DISABLE" not in os.environ
+
+
+def test_nccl_and_collective_on_nccl_are_swept_in_a_probe_process_each(fake, tf, monkeypatch):
+    monkeypatch.setattr(_benchmark, "SIZES", TWO_SIZES)
+    fake("ok")
+    monkeypatch.setenv("FAKE_WORKER_MS", "nccl=0.5,collective=0.25")
+    report = _report(
+        ["/gpu:0", "/gpu:1"],
+        ("collective", "passed (NCCL requested)", {}),
+        ("nccl", "", {}),
+    )
+    sweeps = list(_benchmark.measure(tf, report, 60.0))
+    assert [(s.backend, s.chosen, s.failed) for s in sweeps] == [
+        ("collective", True, None),
+        ("nccl", False, None),
+    ]
+    assert [[row.ms for row in s.rows] for s in sweeps] == [[0.25, 0.25], [0.5, 0.5]]
+    assert fake.starts() == ["start", "start"]
+
+
+@pytest.mark.parametrize(
+    "behaviour, why",
+    [
+        ("sweep-hang", "no answer within 2 s; the probe process was killed"),
+        ("sweep-error", "InternalError: NCCL: unhandled cuda error (fake sweep)"),
+        ("abort", "the probe process died: killed by signal SIGABRT"),
+        ("die-at-start", "the probe process could not start: it died: exit status 3"),
+    ],
+)
+def test_an_nccl_sweep_that_fails_in_the_probe_process_says_why(
+    fake, tf, monkeypatch, behaviour, why
+):
+    monkeypatch.setattr(_benchmark, "SIZES", TWO_SIZES)
+    fake(behaviour)
+    report = _report(["/gpu:0", "/gpu:1"], ("nccl", "", {}))
+    (sweep,) = _benchmark.measure(tf, report, 1.0)
+    assert (sweep.backend, sweep.rows) == ("nccl", [])
+    assert sweep.failed.startswith(why)
+
+
+def test_a_hanging_nccl_sweep_through_the_cli_is_one_line_and_exit_0(fake, capsys, monkeypatch):
+    from safestrategy import cli
+
+    monkeypatch.setattr(_benchmark, "SIZES", TWO_SIZES)
+    fake("sweep-hang")  # the check passes, the sweep hangs
+    started = time.monotonic()
+    status = cli.main(
+        ["--benchmark", "--devices", "/gpu:0", "/gpu:1", "--backend", "nccl", "--timeout", "1"]
+    )
+    assert time.monotonic() - started < 60
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert out.rstrip().endswith(
+        "# nccl: not measured: no answer within 2 s; the probe process was killed"
+    )
+
+
+@needs_tf
+def test_an_in_process_sweep_that_fails_gets_its_line_and_the_others_still_print(
+    tf, capsys, monkeypatch
+):
+    from safestrategy import cli
+    from safestrategy.checks import timing
+
+    monkeypatch.setattr(_benchmark, "SIZES", TWO_SIZES)
+    real = timing.batches_ms
+
+    def batches_ms(tf, era, devices, name, *rest, **kwargs):
+        if name == "hierarchical_copy":
+            raise RuntimeError("fake: out of host memory\nand a second line")
+        return real(tf, era, devices, name, *rest, **kwargs)
+
+    monkeypatch.setattr(timing, "batches_ms", batches_ms)
+    report = _report(["/cpu:0", "/cpu:1"], ("hierarchical_copy", "", {}), ("reduce_to_cpu", "", {}))
+    assert cli._benchmark_and_plot(tf, report, _args(timeout=60.0)) == 0
+    out = capsys.readouterr().out
+    assert "# hierarchical_copy: not measured: RuntimeError: fake: out of host memory\n" in out
+    assert list(_tables(out)) == ["reduce_to_cpu"]
+    assert len(_tables(out)["reduce_to_cpu"][1]) == len(TWO_SIZES)
+
+
+@pytest.mark.parametrize("where", ["missing/out.png", "."])
+def test_an_unwritable_plot_path_exits_2_naming_it_before_anything_is_checked(
+    capsys, monkeypatch, tmp_path, where
+):
+    from safestrategy import cli
+
+    def decide(*args, **kwargs):
+        raise AssertionError("checked before --plot was refused")
+
+    monkeypatch.setattr(_benchmark, "can_plot", lambda: True)  # legs without matplotlib too
+    monkeypatch.setattr(cli, "decide", decide)
+    path = tmp_path / where
+    status = cli.main(["--plot", str(path), "--devices", "/cpu:0", "/cpu:1"])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.out == ""
+    why = f"no directory {tmp_path / 'missing'}" if where != "." else "it is a directory"
+    assert captured.err == f"safestrategy: error: --plot cannot write {path}: {why}\n"
+
+
+@pytest.mark.parametrize(
+    "measured, why",
+    [
+        (True, "OSError: [Errno 28] No space left on device"),
+        (False, "RuntimeError: no backend was measured"),
+    ],
+)
+def test_a_plot_that_cannot_be_drawn_is_one_line_and_exit_1(
+    capsys, monkeypatch, tmp_path, measured, why
+):
+    from safestrategy import cli
+
+    def measure(tf, report, timeout, before=None):
+        if measured:
+            yield _benchmark.Sweep("reduce_to_cpu", True, [_benchmark.Row(4096, 0.1)])
+        else:
+            yield _benchmark.Sweep("reduce_to_cpu", True, [], "RuntimeError: fake")
+
+    def plot(sweeps, report, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_benchmark, "measure", measure)
+    monkeypatch.setattr(_benchmark, "plot", plot)
+    report = _report(["/cpu:0", "/cpu:1"], ("reduce_to_cpu", "", {}))
+    status = cli._benchmark_and_plot(None, report, _args(60.0, plot=str(tmp_path / "out.png")))
+    captured = capsys.readouterr()
+    assert status == 1
+    assert captured.err == f"safestrategy: could not draw the plot: {why}\n"
+    assert "# plot written" not in captured.out
+
+
+@needs_tf
+def test_the_probe_process_sweeps_for_real_and_says_why_it_could_not(tf):
+    from safestrategy.checks import probe
+
+    process, _ = probe.start({"job": "mirrored", "devices": ["/cpu:0", "/cpu:1"]}, 300)
+    with process:
+        times = probe.sweep_ms(process, "reduce_to_cpu", [1024, 4096], 2, 300)
+        assert len(times) == 2 and all(0 < ms < 60_000 for ms in times)
+        with pytest.raises(RuntimeError) as raised:
+            probe.sweep_ms(process, "no_such_backend", [1024], 1, 300)
+        assert not isinstance(raised.value, probe.ProbeDied)  # it answered: still there
+        assert str(raised.value) == "KeyError: 'no_such_backend'"
+        assert process.alive

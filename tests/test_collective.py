@@ -186,3 +186,49 @@ def test_tf_honours_a_collective_timeout_locally_and_it_poisons_the_process(tf2,
     )
     kind, seconds = out.split("lone ", 1)[1].split()[:2]
     assert kind == "DeadlineExceededError" and int(seconds) < 30
+
+
+def _collective_or_skip(tf2):
+    from safestrategy._tf import release
+    from safestrategy.backends import FIRST_VERSION
+
+    if release(tf2.__version__) < FIRST_VERSION:
+        pytest.skip("before TF 2.13 collective is not MirroredStrategy's default")
+
+
+BOUNDED = """
+import logging
+logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
+from safestrategy.checks import runner
+if {abort!r}:
+    runner.COLLECTIVE_BOUND = 0.001  # what a short probe timeout bounded before 0.3.0
+report = safestrategy.probe(["/cpu:0", "/cpu:1"], timeout=0.001)
+collective = next(c for c in report.candidates if c.name == "collective")
+print("chosen", report.backend)
+print("collective", collective.status, collective.reason)
+print("timings", len(glob.glob(os.path.join(os.environ["SAFESTRATEGY_CACHE_DIR"], "timing-*"))))
+print("stock", step_sum(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])))
+"""
+
+
+def test_a_short_probe_timeout_does_not_bound_an_in_process_collective(tf2, tmp_path):
+    """Its bound is the larger of 30 s and the probe timeout: with a 1 ms timeout the
+    collective still passes, and the caller's own stock strategy trains afterwards."""
+    _collective_or_skip(tf2)
+    out = run_script("import glob, os\n" + BOUNDED.format(abort=False), tmp_path)
+    assert "collective ok all 2 replicas got the right sum" in out
+    assert "stock [3.0, 3.0]" in out
+
+
+def test_an_aborted_collective_says_so_is_not_chosen_and_nothing_is_cached(tf2, tmp_path):
+    """If TF aborts the process's collectives all the same, the WARNING says what that
+    means, collective is not chosen, and no timing is cached (it was this process's
+    failure, not the machine's)."""
+    _collective_or_skip(tf2)
+    script = "import glob, os\n" + BOUNDED.format(abort=True).replace(
+        'print("stock", step_sum(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])))', ""
+    )
+    out = run_script(script, tmp_path)
+    assert "chosen reduce_to_cpu" in out or "chosen hierarchical_copy" in out
+    assert "collective failed TensorFlow's collective ops are now unusable in this process" in out
+    assert "timings 0" in out

@@ -117,7 +117,7 @@ def test_a_clear_loser_runs_once_and_the_contenders_run_in_full(tf, monkeypatch)
     for name, count in runs:
         counts.setdefault(name, []).append(count)
     assert counts.pop("hierarchical_copy") == [1] and "reduce_to_cpu" in counts
-    assert all(each == [1, timing.RUNS - 1] for each in counts.values())
+    assert all(each == [1] * timing.RUNS for each in counts.values())
 
 
 def test_a_warm_launch_checks_only_the_cached_winner_and_times_nothing(tf2, monkeypatch):
@@ -173,3 +173,58 @@ def test_a_list_times_nothing(tf2, monkeypatch):
     refuse_timing(monkeypatch)
     report = safestrategy.probe(cpus(2), backend="hierarchical_copy,reduce_to_cpu")
     assert report.backend == "hierarchical_copy" and report.payload_mb is None
+
+
+def test_the_candidates_take_turns_so_none_gains_from_running_first(tf, monkeypatch):
+    """One run of each, then the next run of each, each round starting one later: a fixed
+    back-to-back order gave the first 4-5 % on this machine, more than the 3 % margin."""
+    fake = {"collective": 10.0, "hierarchical_copy": 10.4, "reduce_to_cpu": 10.2}
+    races_built(monkeypatch)
+    runs = []
+
+    def times(self, count):
+        runs.extend([self.name] * count)
+        return [fake[self.name]] * count
+
+    monkeypatch.setattr(allreduce.Race, "times", times)
+    report, _ = factory.decide(cpus(2), cache=False)
+    timed = [c.name for c in report.candidates if c.ms is not None]
+    assert len(timed) >= 2 and len(runs) == len(timed) * timing.RUNS
+    rounds = [runs[i : i + len(timed)] for i in range(0, len(runs), len(timed))]
+    assert all(sorted(each) == sorted(timed) for each in rounds)  # everyone once per round
+    assert len({each[0] for each in rounds}) == len(timed)  # and each leads a round in turn
+
+
+GPUS = ["/gpu:0", "/gpu:1"]
+
+
+def collective_on_gpus_or_skip(tf):
+    from safestrategy._tf import release
+    from safestrategy.backends import FIRST_VERSION
+
+    if release(tf.__version__) < FIRST_VERSION:
+        pytest.skip("two probe-process candidates on (fake) GPUs need collective: TF >= 2.13")
+
+
+def test_nccl_is_timed_where_and_how_it_was_checked_with_its_remedy(fake, tf2):
+    """NCCL (and collective on NCCL) pass only with NCCL_P2P_DISABLE=1: they are timed in a
+    probe process started with it, not in one that hangs without it."""
+    collective_on_gpus_or_skip(tf2)
+    fake("hang-unless-NCCL_P2P_DISABLE")
+    report = safestrategy.probe(GPUS, timeout=2)
+    ms = {c.name: (c.ms, c.remedy) for c in report.candidates if c.status == "ok"}
+    remedy = {"NCCL_P2P_DISABLE": "1"}
+    assert ms == {"collective": (2.0, remedy), "nccl": (1.0, remedy)}
+    assert report.backend == "nccl" and report.reason.startswith("fastest: 1.0 ms")
+
+
+def test_a_candidate_that_passed_but_was_not_timed_is_named_and_not_cached(fake, tf2, tmp_path):
+    """Its reason (which the INFO line shows) names it, and such a decision is not kept as
+    timings: a next launch races again instead of trusting "none could be timed"."""
+    collective_on_gpus_or_skip(tf2)
+    fake("ok")
+    fake.monkeypatch.setenv("FAKE_WORKER_MS", "collective=hang")
+    report = safestrategy.probe(GPUS, timeout=2)
+    assert report.backend == "nccl"
+    assert "collective passed but could not be timed: no answer within 2 s" in report.reason
+    assert list((tmp_path / "cache").glob("timing-*.json")) == []  # the next launch races again

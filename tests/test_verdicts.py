@@ -391,3 +391,64 @@ def test_nccl_ops_applies_the_remedy_on_its_own_decision(fake, tf, short_timeout
         out = nccl_ops.all_sum(placed(tf, inputs(2), GPUS))
     assert [t.op.type for t in out] == ["NcclAllReduce"] * 2
     assert os.environ[P2P] == "1"
+
+
+# --- timings hold only what their verdicts rest on (0.3.0) ---------------------------------
+
+
+def collective_or_skip(tf):
+    from safestrategy._tf import release
+    from safestrategy.backends import FIRST_VERSION
+
+    if release(tf.__version__) < FIRST_VERSION:
+        pytest.skip("needs collective as MirroredStrategy's default: TF >= 2.13")
+
+
+def test_a_warm_launch_does_not_replay_verdicts_whose_conditions_changed(fake, tf2, monkeypatch):
+    """The timing entry holds every candidate's verdict: it is keyed by what they rest on
+    (here the user's NCCL_* variables), so a change races again instead of replaying."""
+    collective_or_skip(tf2)
+    fake("collective-error-unless-NCCL_IB_DISABLE")
+    fake.monkeypatch.setenv("FAKE_WORKER_MS", "nccl=1,collective=2")
+    monkeypatch.setenv("NCCL_IB_DISABLE", "1")
+    first = safestrategy.probe(GPUS)
+    assert first.backend == "nccl" and [c.status for c in first.candidates[:2]] == ["ok", "ok"]
+    monkeypatch.delenv("NCCL_IB_DISABLE")  # a launch without the user's variable
+    factory._decisions.clear()
+    again = safestrategy.probe(GPUS)
+    collective = again.candidates[0]
+    assert (collective.name, collective.status, collective.cached) == (
+        "collective",
+        "failed",
+        False,
+    )
+
+
+def test_the_quoted_recheck_command_changes_what_the_next_launch_does(tf2, monkeypatch, caplog):
+    """collective failed (a fault since fixed) and its failure sits in the cached timings: the
+    WARNING's command re-checks it and drops those timings, so the next launch uses it."""
+    collective_or_skip(tf2)
+    from safestrategy import cli
+    from safestrategy.checks import allreduce
+
+    real, broken = allreduce.race, {"now": True}
+
+    def race(tf, era, devices, name, *args, **kwargs):
+        if name == "collective" and broken["now"]:
+            raise RuntimeError("fake: broken now")
+        return real(tf, era, devices, name, *args, **kwargs)
+
+    monkeypatch.setattr(allreduce, "race", race)
+    assert safestrategy.probe(CPUS).candidates[0].status == "failed"
+    factory._decisions.clear()
+    with caplog.at_level(logging.WARNING, logger="safestrategy"):
+        warm = safestrategy.make_mirrored_strategy(CPUS)
+    del warm
+    (warning,) = [r.getMessage() for r in caplog.records if "collective failed" in r.getMessage()]
+    args, argv = quoted_command(warning)
+    assert args == "--devices /cpu:0 /cpu:1 --timeout 60 --backend collective --refresh"
+    broken["now"] = False  # the machine is fixed; the user runs the quoted command
+    assert cli.main(argv) == 0
+    factory._decisions.clear()
+    after = safestrategy.probe(CPUS)
+    assert after.candidates[0][:2] == ("collective", "ok")

@@ -10,8 +10,12 @@ Protocol, one JSON object per line on stdout, each behind ``_probe.PREFIX``
 "devices": [...], "parent": pid}``; the child first writes
 ``{"facts": {...}}``, then answers each ``{"check": NAME}`` read from stdin
 with ``{"values": [[device, [floats]], ...]}`` (every replica's all-reduced
-value) or ``{"error": [type, first line]}``, and each ``{"time": NAME,
-"payload_mb": MB}`` with ``{"ms": median}`` (see :mod:`safestrategy.checks.timing`).
+value) or ``{"error": [type, first line]}``, each ``{"time": NAME,
+"payload_mb": MB}`` with ``{"ms": median}`` (see :mod:`safestrategy.checks.timing`), and
+each ``{"sweep": NAME, "sizes": [counts], "runs": N}`` (``--benchmark``) with ``{"ms":
+[median per size]}``: one float32 tensor per replica of each element count, the median of
+N timed runs after a warm-up. A request that fails is answered ``{"error": [type, first
+line]}``.
 Whatever else is printed to stdout after start-up goes to stderr.
 
 The ``"multiworker"`` job builds ``MultiWorkerMirroredStrategy`` with NCCL on the
@@ -39,7 +43,7 @@ from .._tf import configure_logical_cpus, era, import_tf, list_physical_devices
 from ..backends import build_multiworker_strategy
 from .allreduce import VECTOR_SIZE, check_values, first_line, session_config
 from .probe import PREFIX
-from .timing import median_ms
+from .timing import batches_ms, median_ms
 
 Send = Callable[[Dict[str, Any]], None]
 
@@ -119,6 +123,11 @@ class Checker:
     def time(self, name: str, payload_mb: float) -> float:
         return median_ms(self.tf, self.era, self.devices, name, payload_mb, self.config)
 
+    def sweep(self, name: str, counts: Sequence[int], runs: int) -> List[float]:
+        """Median ms of one tensor per replica of each element count (``--benchmark``)."""
+        batches = [[count] for count in counts]
+        return batches_ms(self.tf, self.era, self.devices, name, batches, self.config, None, runs)
+
 
 def _mirrored(request: Dict[str, Any], send: Send, requests: "queue.Queue[str]") -> int:
     checker = Checker(parse_devices(request["devices"]))
@@ -126,7 +135,10 @@ def _mirrored(request: Dict[str, Any], send: Send, requests: "queue.Queue[str]")
     while True:  # until the parent closes stdin: the watchdog then ends the process
         message = json.loads(requests.get())
         try:
-            if "time" in message:
+            if "sweep" in message:
+                counts = [int(count) for count in message["sizes"]]
+                send({"ms": checker.sweep(message["sweep"], counts, int(message["runs"]))})
+            elif "time" in message:
                 send({"ms": checker.time(message["time"], float(message["payload_mb"]))})
             else:
                 send({"values": checker.all_reduce(message["check"])})

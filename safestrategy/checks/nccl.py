@@ -103,21 +103,30 @@ def _user_nccl_environment() -> Dict[str, str]:
     return {name: user[name] for name in sorted(user) if name.startswith("NCCL_")}
 
 
+def conditions(opts: Options) -> Dict[str, Any]:
+    """What a verdict rests on besides the machine, TensorFlow and the devices: the
+    interpreter, ``CUDA_VISIBLE_DEVICES``, the user's ``NCCL_*`` variables, the timeout
+    and the remedies switch. Part of every key that keeps a verdict (timings too)."""
+    return {
+        "python": sys.executable,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "nccl_env": _user_nccl_environment(),
+        "timeout": opts.timeout,
+        "remedies": opts.remedies,
+    }
+
+
 def cache_key(tf: Any, devices: Sequence[Device], opts: Options) -> Dict[str, Any]:
     """Everything that can change NCCL's verdict on ``devices``."""
     return {
         "tf": tf.__version__,
         "build": _tf.build_info(tf),
-        "python": sys.executable,
         "os": [platform.system(), platform.release()],
         "devices": [str(device) for device in devices],
         "gpus": _tf.gpu_names(tf),
         "driver": _nvidia_driver(),
         "machine": _machine.identity(),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "nccl_env": _user_nccl_environment(),
-        "timeout": opts.timeout,
-        "remedies": opts.remedies,
+        **conditions(opts),
     }
 
 
@@ -270,17 +279,26 @@ def verdict(tf: Any, devices: Sequence[Device], opts: Options, name: str = NCCL)
         return CandidateResult(NCCL, FAILED, NO_KERNELS, 0.0)
     directory = _env.cache_dir() if opts.cache else None
     key = cache_key(tf, devices, opts) if directory is not None else {}
-    if directory is not None and not opts.refresh:
-        stored = _cache.read(directory, name, key)
-        if stored is not None:
-            try:
-                return CandidateResult(**{**stored, "cached": True})
-            except TypeError:
-                logger.debug("cached NCCL verdict %r has the wrong fields; ignored", stored)
+    cached = read_verdict(directory, name, key) if directory and not opts.refresh else None
+    if cached is not None:
+        return cached
     attempt = _run(devices, opts, name)
     if directory is not None and attempt.cacheable:
         _cache.write(directory, name, key, attempt.result.to_dict())
     return attempt.result
+
+
+def read_verdict(directory: str, kind: str, key: Mapping[str, Any]) -> Optional[CandidateResult]:
+    """A verdict cached under ``key`` (marked ``cached``); None when there is none or it
+    has the wrong fields."""
+    stored = _cache.read(directory, kind, key)
+    if stored is None:
+        return None
+    try:
+        return CandidateResult(**{**stored, "cached": True})
+    except TypeError:
+        logger.debug("cached %s verdict %r has the wrong fields; ignored", kind, stored)
+        return None
 
 
 def refresh_command(

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .. import _env
 from ..report import FAILED, OK, TIMEOUT, CandidateResult
@@ -286,16 +286,36 @@ def check(process: ProbeProcess, name: str, replicas: int, timeout: float) -> Ca
 
 def median_ms(
     process: ProbeProcess, name: str, payload_mb: float, timeout: float
-) -> Optional[float]:
-    """Backend ``name``'s median ms on the payload, timed in a started probe process; None
-    when it could not be (a timeout or a death: the process is then gone)."""
+) -> Union[float, str]:
+    """Backend ``name``'s median ms on the payload, timed in a started probe process, or
+    why it could not be (a timeout or a death: the process is then gone)."""
     try:
         reply = process.ask({"time": name, "payload_mb": payload_mb}, timeout)
     except (ProbeTimeout, ProbeDied) as error:
-        logger.debug("timing %s in the probe process failed: %s", name, error)
-        return None
+        return str(error)
     ms = reply.get("ms")
-    return float(ms) if isinstance(ms, (int, float)) else None
+    if isinstance(ms, (int, float)):
+        return float(ms)
+    return ": ".join(str(part) for part in reply.get("error") or ["no time in the reply"])
+
+
+def sweep_ms(
+    process: ProbeProcess, name: str, counts: Sequence[int], runs: int, timeout: float
+) -> List[float]:
+    """Backend ``name``'s median ms (of ``runs``, after a warm-up) on one float32 tensor per
+    replica of each element count in ``counts``, in a started probe process (``--benchmark``).
+
+    Raises ``ProbeTimeout`` or ``ProbeDied`` when there is no answer within ``timeout`` (the
+    process is then gone), ``RuntimeError`` ("Type: message") when the sweep failed there.
+    """
+    reply = process.ask({"sweep": name, "sizes": list(counts), "runs": runs}, timeout)
+    ms = reply.get("ms")
+    numbers = isinstance(ms, list) and all(isinstance(value, (int, float)) for value in ms)
+    if numbers and len(ms) == len(counts):
+        return [float(value) for value in ms]
+    if reply.get("error"):
+        raise RuntimeError(": ".join(str(part) for part in reply["error"]))
+    raise RuntimeError(f"{_SUBJECT}answered no times: {reply!r}"[:300])
 
 
 class Shared:
@@ -303,8 +323,11 @@ class Shared:
     first use, reused only while it is healthy (never after a timeout, a death or a failed
     check: CUDA may be poisoned), closed at the end. It cannot start: each use says why."""
 
-    def __init__(self, request: Mapping[str, Any], timeout: float) -> None:
-        self.request, self.timeout = request, timeout
+    def __init__(
+        self, request: Mapping[str, Any], timeout: float, env: Optional[Mapping[str, str]] = None
+    ) -> None:
+        """``env``: variables the process runs with, added to the user's (a remedy)."""
+        self.request, self.timeout, self.env = request, timeout, dict(env or {})
         self.process: Optional[ProbeProcess] = None
         self.start_failure = ""  #: why it could not start, once it could not
 
@@ -313,7 +336,7 @@ class Shared:
             self.close()
         if self.process is None and not self.start_failure:
             try:
-                self.process, _ = start(self.request, self.timeout)
+                self.process, _ = start(self.request, self.timeout, self.env)
             except ProbeDied as error:
                 self.start_failure = str(error)
         return self.process
@@ -328,13 +351,13 @@ class Shared:
             self.close()
         return result
 
-    def time(self, name: str, payload_mb: float) -> Optional[float]:
-        """Backend ``name``'s median ms in the probe process (None: it could not be timed)."""
+    def time(self, name: str, payload_mb: float) -> Union[float, str]:
+        """Backend ``name``'s median ms in the probe process, or why it could not be timed."""
         process = self._running()
         if process is None:
-            return None
+            return self.start_failure
         ms = median_ms(process, name, payload_mb, self.timeout)
-        if ms is None:
+        if isinstance(ms, str):
             self.close()
         return ms
 

@@ -17,7 +17,7 @@ chooser with the timing cache: a warm ``auto`` checks only its cached winner.
 
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .. import _cache, _env, _tf, choose
 from .._devices import Device, cpu_count
@@ -36,6 +36,24 @@ from ..report import FAILED, OK, CandidateResult, Stall
 from . import allreduce, nccl, probe, stalls, timing
 
 logger = logging.getLogger("safestrategy")
+
+#: The least bound on an in-process ``collective`` check or timing (seconds; the probe
+#: timeout when larger): a collective that times out aborts *every* collective of the
+#: process (TF's StartAbort), so only a real hang may reach it, never ordinary load.
+COLLECTIVE_BOUND = 30.0
+
+#: What a failed in-process ``collective`` says when TF aborted the process's collectives.
+ABORTED = (
+    "TensorFlow's collective ops are now unusable in this process: a stock "
+    "MirroredStrategy or MultiWorkerMirroredStrategy created later in it will fail; "
+    "restart to use them"
+)
+_ABORT_SIGNS = ("DeadlineExceededError", "Collective ops is aborted", "aborted by")
+
+
+def _why(error: BaseException) -> str:
+    """An error as a reason: its type and first line."""
+    return ": ".join(part for part in allreduce.first_line(error) if part)
 
 
 class Races:
@@ -82,31 +100,39 @@ class Races:
             ready.close()
             raise
 
-    def time(self, names: Sequence[str], timeout: float) -> Dict[str, Optional[float]]:
-        """Median ms of each candidate's payload all-reduce (None: it could not be timed).
-        Each runs once first; only those within :data:`~safestrategy.checks.timing.SCREEN`
-        of the fastest of these runs are run :data:`~safestrategy.checks.timing.RUNS`
-        times: a clear loser's time is its one run."""
-        timings: Dict[str, Optional[float]] = {}
-        firsts: Dict[str, float] = {}
+    def time(self, names: Sequence[str], timeout: float) -> Dict[str, Union[float, str]]:
+        """Median ms of each candidate's payload all-reduce, or why it could not be timed.
+
+        The candidates take turns (one run of each, then the next run of each, each round
+        starting one candidate later), so none gains from running first. After the first
+        round only those within :data:`~safestrategy.checks.timing.SCREEN` of the fastest
+        run go on to :data:`~safestrategy.checks.timing.RUNS` runs: a clear loser's time
+        is its one run."""
+        failed: Dict[str, str] = {}
+        runs: Dict[str, List[float]] = {}
         for name in names:
             try:
                 if name not in self.ready:  # checked small (a warm winner failed): warm up
                     self.ready[name] = self._checked(name, timeout).race
-                firsts[name] = timing.timed_ms(self.ready[name], 1)[0]
             except Exception as error:
-                logger.debug("timing %s failed: %s", name, error)
-                timings[name] = None
-        contenders = timing.contenders(firsts)
-        for name, first in firsts.items():
-            more: List[float] = []
-            try:
-                if name in contenders:
-                    more = timing.timed_ms(self.ready[name], timing.RUNS - 1)
-            except Exception as error:
-                logger.debug("timing %s failed: %s", name, error)
-            timings[name] = timing.median([first, *more])
+                failed[name] = _why(error)
+        order = [name for name in names if name not in failed]
+        for round_number in range(timing.RUNS):
+            if round_number == 1:
+                firsts = {name: ms[0] for name, ms in runs.items()}
+                order = [name for name in order if name in timing.contenders(firsts)]
+            shift = round_number % len(order) if order else 0
+            for name in order[shift:] + order[:shift]:
+                if name in failed:
+                    continue
+                try:
+                    runs.setdefault(name, []).extend(timing.timed_ms(self.ready[name], 1))
+                except Exception as error:
+                    if name not in runs:
+                        failed[name] = _why(error)
         self.close()
+        timings: Dict[str, Union[float, str]] = {n: timing.median(ms) for n, ms in runs.items()}
+        timings.update(failed)
         return timings
 
     def close(self) -> None:
@@ -143,9 +169,15 @@ class Runner:
         self.config = None  # eager; in graph mode, the config of the checks' own sessions
         if graph is not None:
             self.config = allreduce.session_config(graph, cpu_count(devices), gpus=False)
-        self.probe = probe.Shared({"job": "mirrored", "devices": self.names}, opts.timeout)
+        #: Probe processes by the remedy they run with: a candidate is timed where and how it
+        #: was checked (one that passed only with NCCL_P2P_DISABLE=1 is timed with it).
+        self.probes: Dict[Tuple[Tuple[str, str], ...], probe.Shared] = {}
+        self.remedies: Dict[str, Mapping[str, str]] = {}  #: each passing candidate's remedy
         self.racing = False  #: check in-process candidates on the payload (see the module)
         self.races = Races(tf, self.names, self.config, payload_mb)
+        #: An in-process collective failed as TF's abort does: this process's collectives
+        #: are unusable, so nothing learnt here is kept (it was this process's, not the machine's)
+        self.aborted = False
 
     def unavailable(self) -> Dict[str, str]:
         """Candidates that cannot apply to these devices here, and why (``auto`` skips them)."""
@@ -161,8 +193,15 @@ class Runner:
         return self._may_hang(name) or (self.config is not None and self.gpu)
 
     def __call__(self, name: str) -> CandidateResult:
+        result = self._check(name)
+        if result.status == OK:
+            self.remedies[name] = result.remedy
+        return result
+
+    def _check(self, name: str) -> CandidateResult:
         if name in self.stalled:
-            return stalls.verdict(self.stalled[name], self.devices, self.opts)
+            stall = self.stalled[name]
+            return stalls.verdict(self.tf, stall, self.devices, self.opts, self._may_hang(name))
         if name == NCCL:
             return nccl.verdict(self.tf, self.devices, self.opts)
         if name == COLLECTIVE:
@@ -171,14 +210,32 @@ class Runner:
             requested = f" ({self.collective.implementation} requested)"
             if self._may_hang(name):
                 result = nccl.verdict(self.tf, self.devices, self.opts, name)
-            else:  # RING on CPUs: in-process, each op bounded by the timeout
-                result = self._here(name, self.opts.timeout)
+            else:  # RING on CPUs: in-process, each op bounded (see COLLECTIVE_BOUND)
+                result = self._aborted(self._here(name, self._collective_bound()))
             return result._replace(reason=result.reason + requested)
         if get_backend(name).needs_gpu and not self.gpu:
             return CandidateResult(name, FAILED, NO_GPU)
         if self._elsewhere(name):
-            return self.probe.check(name, len(self.devices))
+            return self._probe({}).check(name, len(self.devices))
         return self._here(name)
+
+    def _probe(self, remedy: Mapping[str, str]) -> probe.Shared:
+        """The shared probe process that runs with ``remedy`` set (started on first use)."""
+        key = tuple(sorted(remedy.items()))
+        if key not in self.probes:
+            request = {"job": "mirrored", "devices": self.names}
+            self.probes[key] = probe.Shared(request, self.opts.timeout, remedy)
+        return self.probes[key]
+
+    def _collective_bound(self) -> float:
+        return max(COLLECTIVE_BOUND, self.opts.timeout)
+
+    def _aborted(self, result: CandidateResult) -> CandidateResult:
+        """``result``, saying so plainly when it is TF's abort of every collective here."""
+        if result.status == OK or not any(sign in result.reason for sign in _ABORT_SIGNS):
+            return result
+        self.aborted = True
+        return result._replace(reason=f"{ABORTED} ({choose.first_line(result.reason)})")
 
     def _here(self, name: str, timeout: Optional[float] = None) -> CandidateResult:
         """An in-process check: the payload race's first run while racing, else (or when the
@@ -188,18 +245,24 @@ class Runner:
             return raced
         return allreduce.smoke_check(self.tf, self.era, self.names, name, self.config, timeout)
 
-    def time_all(self, names: Sequence[str]) -> Dict[str, Optional[float]]:
-        """Median ms of each passing candidate's payload all-reduce (None: it could not be
-        timed): in the probe process for what runs there, else here (:class:`Races`)."""
-        elsewhere = [name for name in names if self._elsewhere(name)]
-        timings = {name: self.probe.time(name, self.payload_mb) for name in elsewhere}
+    def time_all(self, names: Sequence[str]) -> Dict[str, Union[float, str]]:
+        """Median ms of each passing candidate's payload all-reduce, or why it could not be
+        timed: in a probe process with the candidate's remedy for what was checked there
+        (each gives its own median), else here, taking turns (:class:`Races`)."""
+        timings: Dict[str, Union[float, str]] = {}
+        for name in (name for name in names if self._elsewhere(name)):
+            timings[name] = self._probe(self.remedies.get(name, {})).time(name, self.payload_mb)
         here = [name for name in names if name not in timings]
-        timings.update(self.races.time(here, self.opts.timeout))
+        timings.update(self.races.time(here, self._collective_bound()))
+        failed = timings.get(COLLECTIVE)
+        if isinstance(failed, str) and any(sign in failed for sign in _ABORT_SIGNS):
+            self.aborted = True
         return {name: timings[name] for name in names}
 
     def close(self) -> None:
         self.races.close()
-        self.probe.close()
+        for shared in self.probes.values():
+            shared.close()
 
 
 def decide(
@@ -214,17 +277,24 @@ def decide(
     """:func:`safestrategy.choose.decide` with the timings kept on disk: an ``auto`` decision
     whose timings are cached checks only its winner and times nothing; fresh timings are
     written, and those of a cached winner that fails now are dropped."""
-    directory = _env.cache_dir() if opts.cache and setting.mode == "auto" else None
+    directory = _env.cache_dir() if opts.cache else None
+    if directory is not None and opts.refresh and setting.mode != "auto":
+        for name in setting.names:  # re-checked now: timings resting on the old verdict go
+            timing.forget(directory, tf, runner.devices, name)
+    if setting.mode != "auto":
+        directory = None
     key: Dict[str, Any] = {}
     cached = None
     if directory is not None:
-        key = timing.cache_key(tf, runner.devices, mode, payload_mb)
-        stored = None if opts.refresh else _cache.read(directory, "timing", key)
+        key = timing.cache_key(tf, runner.devices, mode, payload_mb, opts)
+        stored = None if opts.refresh else _cache.read(directory, timing.KIND, key)
         cached = timing.remembered(stored)
     runner.racing = setting.mode == "auto" and cached is None
     decision = choose.decide(setting, check, runner.time_all, runner.unavailable(), cached)
-    if key and decision.timed and decision.backend is not None:
-        _cache.write(directory, "timing", key, timing.stored(decision))
+    if runner.aborted:
+        logger.debug("this process's collectives were aborted: nothing of it is cached")
+    elif key and decision.timed and decision.backend is not None:
+        _cache.write(directory, timing.KIND, key, timing.stored(decision))
     elif key and cached is not None and not decision.warm:
-        _cache.remove(directory, "timing", key)
+        _cache.remove(directory, timing.KIND, key)
     return decision

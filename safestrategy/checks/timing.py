@@ -12,13 +12,16 @@ led to (:func:`stored`, :func:`remembered`).
 import logging
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
-from .. import _machine, _tf
+from .. import _cache, _machine, _tf
 from ..choose import Decision
 from ..report import CandidateResult
-from . import allreduce
+from . import allreduce, nccl
 from .allreduce import Race, in_fresh_thread, payload_sizes
 
 logger = logging.getLogger("safestrategy")
+
+#: The timing cache's kind (see :mod:`safestrategy._cache`).
+KIND = "timing"
 
 #: Timed runs whose median is a candidate's time, after its untimed first run.
 RUNS = 5
@@ -89,9 +92,14 @@ def median_ms(
     return batches_ms(tf, era, devices, name, [payload_sizes(payload_mb)], config, timeout)[0]
 
 
-def cache_key(tf: Any, devices: Sequence[Any], mode: str, payload_mb: float) -> Dict[str, Any]:
-    """What a timing depends on: the machine, TensorFlow and its build, the devices, the
-    execution mode and the payload (not the probe timeout)."""
+def cache_key(
+    tf: Any, devices: Sequence[Any], mode: str, payload_mb: float, opts: nccl.Options
+) -> Dict[str, Any]:
+    """What a timing entry depends on: the machine, TensorFlow and its build, the devices,
+    the execution mode and the payload; and, since it holds every candidate's verdict as
+    it was, whatever those verdicts rest on (:func:`~safestrategy.checks.nccl.conditions`:
+    the probe timeout, ``NCCL_*``, ``CUDA_VISIBLE_DEVICES``, the remedies switch, the
+    interpreter)."""
     return {
         "machine": _machine.identity(),
         "tf": tf.__version__,
@@ -100,7 +108,25 @@ def cache_key(tf: Any, devices: Sequence[Any], mode: str, payload_mb: float) -> 
         "devices": [str(device) for device in devices],
         "mode": mode,
         "payload_mb": payload_mb,
+        **nccl.conditions(opts),
     }
+
+
+def forget(directory: str, tf: Any, devices: Sequence[Any], name: str) -> None:
+    """Drop every timing entry for this machine and device set (any mode, payload or
+    conditions) that holds a verdict of backend ``name``: re-checking ``name`` must change
+    what the next launch does, not only ``name``'s own verdict."""
+    mine = {
+        "machine": _machine.identity(),
+        "tf": tf.__version__,
+        "devices": list(map(str, devices)),
+    }
+    for key, value in _cache.entries(directory, KIND):
+        if any(key.get(field) != wanted for field, wanted in mine.items()):
+            continue
+        results = value.get("results") or []
+        if any(isinstance(result, dict) and result.get("name") == name for result in results):
+            _cache.remove(directory, KIND, key)
 
 
 def stored(decision: Decision) -> Dict[str, Any]:
