@@ -25,18 +25,22 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+import weakref
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import _env, _tf
-from .backends import BACKEND_NAMES, COLLECTIVE, COMMUNICATION_NAMES, NCCL
+from . import _env
+from .backends import BACKEND_NAMES, COLLECTIVE, COMMUNICATION_NAMES, NCCL, get_backend
 from .checks import probe, stalls
 from .checks.nccl import REMEDIES
-from .report import Report
+from .report import NOT_TRIED, OK, Report
 
 logger = logging.getLogger("safestrategy")
 
 #: ``EX_TEMPFAIL``: a hung collective never returns, so a scheduler's restart is the way out.
 EXIT_CODE = 75
+
+#: The command that lists (and with ``--forget`` forgets) every record on this machine.
+RECORDS_COMMAND = "python -m safestrategy records"
 
 STEP = "step"  #: a tf.function call: under Keras fit, the training step (input included)
 OP = "op"  #: one eager op
@@ -171,31 +175,81 @@ def stack_text(frame: Any, entry: Any) -> str:
     return "".join(traceback.StackSummary.from_list(kept).format()).rstrip()
 
 
-def _remedies(backend: str, multiworker: bool, nccl: Mapping[str, str]) -> List[str]:
+def _on_nccl(report: Report, name: str) -> bool:
+    """Backend ``name`` of ``report`` all-reduces with NCCL: ``nccl``, or a ``collective``
+    that requested NCCL (the report says which it requested)."""
+    if name in (NCCL, "NcclAllReduce"):
+        return True
+    result = next((c for c in report.candidates if c.name == name), None)
+    return name == COLLECTIVE and result is not None and "(NCCL requested)" in result.reason
+
+
+def _alternatives(report: Report) -> List[str]:
+    """The backends to suggest instead of ``report``'s: those that passed on these devices,
+    then those not checked here (not tried, or absent from a listed or forced setting);
+    never one that failed or was skipped here, one that needs a GPU where there is none,
+    nor another NCCL when NCCL stalled."""
+    names = COMMUNICATION_NAMES if report.task is not None else BACKEND_NAMES
+    status = {c.name: c.status for c in report.candidates}
+    stuck_on_nccl = _on_nccl(report, report.backend)
+    gpu = any("GPU" in device.upper() for device in report.devices)
+    if report.task is not None:  # a worker's devices are its GPUs, else its CPU
+        names = tuple(name for name in names if name != NCCL or gpu)
+
+    def fits(name: str) -> bool:
+        if name == report.backend or (stuck_on_nccl and _on_nccl(report, name)):
+            return False
+        return gpu or name not in BACKEND_NAMES or not get_backend(name).needs_gpu
+
+    passed = [n for n in names if status.get(n) == OK and fits(n)]
+    unchecked = [n for n in names if status.get(n, NOT_TRIED) == NOT_TRIED and fits(n)]
+    return passed + unchecked
+
+
+def _tips(report: Optional[Report], nccl: Mapping[str, str]) -> List[str]:
+    """What to try, from what ``report`` shows of these devices (None: not known)."""
     tips = []
-    if backend in (NCCL, COLLECTIVE, "NcclAllReduce"):
+    if report is not None and _on_nccl(report, report.backend):
         fixes = [f"{n}=1" for n, _ in REMEDIES if n not in nccl]
         if fixes:
             tips.append(f"NCCL's own fixes, one at a time: {', then '.join(fixes)}")
         tips.append("NCCL_DEBUG=INFO shows where NCCL waits")
-    variable, names = (
-        (_env.ENV_COMMUNICATION, COMMUNICATION_NAMES)
-        if multiworker
-        else (_env.ENV_BACKEND, BACKEND_NAMES)
-    )
-    others = [name for name in names if name not in (backend, NCCL)]  # the safe ones
-    if others:
-        tips.append(
-            f"another backend: {variable}={others[0]}"
-            + (f" (or {', '.join(others[1:])})" if others[1:] else "")
+    if report is not None and report.task is None and not report.candidates:
+        tips.append(  # the caller's own cross_device_ops: no setting of ours applies
+            f"your own cross_device_ops ({report.backend}) is used as given, and "
+            f"{_env.ENV_BACKEND} is ignored while you pass one: pass another "
+            "cross_device_ops=, or none and let safestrategy choose"
         )
-    else:  # multi-worker RING: nothing safer to switch to
-        tips.append("check that every worker still runs: one that died or hangs stops the rest")
+    elif report is not None and (report.task is not None or len(report.devices) > 1):
+        variable = _env.ENV_COMMUNICATION if report.task is not None else _env.ENV_BACKEND
+        others = _alternatives(report)
+        if others:
+            tips.append(
+                f"another backend: {variable}={others[0]}"
+                + (f" (or {', '.join(others[1:])})" if others[1:] else "")
+            )
+        elif report.task is not None:  # multi-worker RING: nothing safer to switch to
+            tips.append("check that every worker still runs: one that died or hangs stops the rest")
     tips.append(
         f"if one call is simply long (a long first compile, Keras steps_per_execution=N): "
         f"raise {_env.ENV_STALL_TIMEOUT}"
     )
     return tips
+
+
+def _recorded(report: Report, place: Optional[stalls.Place]) -> Optional[str]:
+    """What the ERROR says of the record it writes (None: none is written)."""
+    if place is None:
+        return None
+    if place.read:
+        return (
+            f"The stall is recorded: the next automatic choice on these devices skips "
+            f"{report.backend} (`{stalls.refresh_command(report.devices)}` re-allows it)."
+        )
+    return (
+        f"The stall is recorded for this worker (`{RECORDS_COMMAND}` lists it, "
+        f"`{RECORDS_COMMAND} --forget` forgets it)."
+    )
 
 
 def message(
@@ -206,8 +260,12 @@ def message(
     report: Optional[Report],
     nccl: Mapping[str, str],
     settings: _env.StallSettings,
+    place: Optional[stalls.Place] = None,
+    suspects: Sequence[Report] = (),
 ) -> str:
-    """The ERROR for a stall: how long, where, which backend and devices, what to try."""
+    """The ERROR for a stall: how long, where, which backend and devices, what to try, and
+    whether it is recorded (``place``: where; None: nothing is). ``report`` None with
+    ``suspects``: the stuck call's strategy could not be told among these."""
     headline = (
         f"training has made no progress for {seconds:.0f} s: thread {thread!r} has been in "
         f"one TensorFlow call for that long ({_env.ENV_STALL_TIMEOUT}={settings.timeout:g}), "
@@ -215,29 +273,47 @@ def message(
     )
     if settings.action == "exit":
         closing = f"{_env.ENV_STALL_ACTION}=exit: ending the process with exit code {EXIT_CODE}."
-    else:
+    elif place is not None:
         closing = "Still waiting: if the call finishes after all, the record is withdrawn."
-    return _explained(headline, stack, report, nccl, closing)
+    else:
+        closing = "Still waiting."
+    return _explained(headline, stack, report, nccl, closing, place, suspects)
 
 
 def _explained(
-    headline: str, stack: str, report: Optional[Report], nccl: Mapping[str, str], closing: str
+    headline: str,
+    stack: str,
+    report: Optional[Report],
+    nccl: Mapping[str, str],
+    closing: str,
+    place: Optional[stalls.Place] = None,
+    suspects: Sequence[Report] = (),
 ) -> str:
     """A stall's headline with where, which backend and devices, what to try, ``closing``."""
     lines = [headline, "where (most recent call last):", stack]
-    backend, multiworker = "unknown", False
     if report is not None:
-        backend, multiworker = report.backend, report.task is not None
         task = f"; this is {report.task} of {report.workers} workers" if report.task else ""
-        lines.append(f"backend {backend} ({report.mode}) on {', '.join(report.devices)}{task}")
+        lines.append(
+            f"backend {report.backend} ({report.mode}) on {', '.join(report.devices)}{task}"
+        )
+    elif suspects:
+        lines.append(
+            f"backend unknown: {len(suspects)} strategies are watched in this process and the "
+            "stuck call does not show which one it runs:"
+        )
+        lines.extend(
+            f"  - backend {r.backend} ({r.mode}) on {', '.join(r.devices)}" for r in suspects
+        )
     settings_text = " ".join(f"{n}={v}" for n, v in sorted(nccl.items())) or "none set"
     lines.append(f"NCCL variables: {settings_text}")
     lines.append("what to try:")
-    lines.extend(f"  - {tip}" for tip in _remedies(backend, multiworker, nccl))
-    if report is not None:
+    lines.extend(f"  - {tip}" for tip in _tips(report, nccl))
+    said = _recorded(report, place) if report is not None else None
+    if said is not None:
+        lines.append(said)
+    elif suspects:
         lines.append(
-            f"The stall is recorded: the next automatic choice on these devices skips "
-            f"{backend} (`{stalls.refresh_command(report.devices)}` re-allows it)."
+            "Nothing is recorded: a record against the wrong one would demote a backend that works."
         )
     lines.append(closing)
     return "\n".join(lines)
@@ -248,22 +324,84 @@ def interval(timeout: float) -> float:
     return min(5.0, timeout / 5)
 
 
+class _Strategy(NamedTuple):
+    """A strategy under watch: held weakly (a strategy that is gone is not watched), with
+    its report and where its record goes (None: no record is written for it)."""
+
+    ref: Callable[[], Any]
+    report: Report
+    place: Optional[stalls.Place]
+
+    @property
+    def same(self) -> Tuple[str, Tuple[str, ...], Optional[str]]:
+        """Strategies with the same backend and devices count as one (a re-run cell)."""
+        return self.report.backend, self.report.devices, self.report.task
+
+
 _lock = threading.Lock()
 _thread: Optional[threading.Thread] = None
 _settings: Optional[_env.StallSettings] = None
-_report: Optional[Report] = None
+_watched: List[_Strategy] = []
+#: The record each stalled call wrote (by thread), withdrawn if the call finishes.
+_written: Dict[int, _Strategy] = {}
 
 
-def watch(settings: _env.StallSettings, report: Optional[Report]) -> None:
-    """Watch this process (the factories call this): the thread starts once; the latest
-    settings and report apply."""
-    global _thread, _settings, _report
+def _held(strategy: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(strategy)
+    except TypeError:  # not weakly referenceable (a test's stand-in): held as it is
+        return lambda: strategy
+
+
+def watch(
+    settings: _env.StallSettings,
+    report: Report,
+    strategy: Any = None,
+    place: Optional[stalls.Place] = None,
+) -> None:
+    """Watch this process for ``strategy`` (the factories call this): the thread starts
+    once; the latest settings apply. ``place``: where a stall of it is recorded (None:
+    nowhere, e.g. a forced backend, one device, the cache off)."""
+    global _thread, _settings
     with _lock:
-        _settings, _report = settings, report
+        _settings = settings
+        _watched[:] = [w for w in _watched if w.ref() is not None]
+        _watched.append(_Strategy(_held(strategy), report, place))
         if settings.timeout is None or (_thread is not None and _thread.is_alive()):
             return
         _thread = threading.Thread(target=_run, name="safestrategy-watchdog", daemon=True)
         _thread.start()
+
+
+def _distinct() -> List[_Strategy]:
+    """The strategies watched and alive, one per backend and devices (the latest)."""
+    with _lock:
+        alive = [w for w in _watched if w.ref() is not None]
+    return list({w.same: w for w in alive}.values())
+
+
+def _owner(frame: Any, watched: Sequence[_Strategy]) -> Optional[_Strategy]:
+    """The watched strategy whose call ``frame``'s stack runs: a frame of one of its
+    methods (``strategy.run``, ``reduce``, its ``extended``), or of a Keras model's
+    ``fit``/``evaluate``/``predict`` whose ``distribute_strategy`` it is; None: not told."""
+    if len(watched) == 1:
+        return watched[0]
+    by_id: Dict[int, _Strategy] = {}
+    for entry in watched:
+        strategy = entry.ref()
+        by_id[id(strategy)] = entry
+        with contextlib.suppress(Exception):
+            by_id[id(strategy.extended)] = entry
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        found = by_id.get(id(owner))
+        if found is None and getattr(type(owner), "distribute_strategy", None) is not None:
+            with contextlib.suppress(Exception):
+                found = by_id.get(id(owner.distribute_strategy))
+        if found is not None:
+            return {w.same: w for w in watched}.get(found.same, found)
+        frame = frame.f_back
+    return None
 
 
 def _sample(me: int) -> Tuple[Dict[int, Tuple[Any, str]], Dict[int, Any]]:
@@ -303,33 +441,47 @@ def _nccl_variables() -> Dict[str, str]:
     return {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
 
 
-def _stalled(text: str, report: Optional[Report], seconds: float) -> None:
-    """Log a stall's ERROR and record it against ``report``'s backend (if any)."""
+def _stalled(text: str, culprit: Optional[_Strategy], seconds: float) -> None:
+    """Log a stall's ERROR and record it where ``culprit``'s records go (if anywhere)."""
     logger.error(text)
-    if report is not None:
-        tf = sys.modules.get("tensorflow") or _tf.import_tf()
-        stalls.record(tf, report, seconds)
+    if culprit is not None and culprit.place is not None:
+        report = culprit.report
+        chosen = next((c for c in report.candidates if c.name == report.backend), None)
+        remedy = chosen.remedy if chosen is not None else {}
+        stalls.record(culprit.place, report.backend, seconds, remedy)
 
 
 def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
-    report = _report
     if event.what == FINISHED:
+        written = _written.pop(event.thread, None)
         logger.info(
             "the TensorFlow call on thread %r that stalled finished after all, after about "
             "%.0f s: a slow call, not a hang%s",
             _thread_name(event.thread),
             event.seconds,
-            "; the stall record is withdrawn" if report is not None else "",
+            "; the stall record is withdrawn" if written is not None else "",
         )
-        if report is not None:
-            stalls.withdraw(sys.modules.get("tensorflow") or _tf.import_tf(), report)
+        if written is not None and written.place is not None:
+            stalls.withdraw(written.place, written.report.backend)
         return
+    watched = _distinct()
+    culprit = _owner(frame, watched)
     stack = stack_text(frame, event.watched.call) if frame is not None else "  (gone)"
     thread = _thread_name(event.thread)
     text = message(
-        event.seconds, event.watched.kind, thread, stack, report, _nccl_variables(), settings
+        event.seconds,
+        event.watched.kind,
+        thread,
+        stack,
+        culprit.report if culprit is not None else None,
+        _nccl_variables(),
+        settings,
+        culprit.place if culprit is not None else None,
+        [w.report for w in watched] if culprit is None else (),
     )
-    _stalled(text, report, event.seconds)
+    _stalled(text, culprit, event.seconds)
+    if culprit is not None and culprit.place is not None:
+        _written[event.thread] = culprit
     if settings.action == "exit":
         _exit()
 
@@ -359,6 +511,7 @@ def collective_timeout_message(
     stack: str,
     report: Optional[Report],
     nccl: Mapping[str, str],
+    place: Optional[stalls.Place] = None,
 ) -> str:
     """The ERROR for the user's own ``CommunicationOptions(timeout_seconds=...)`` ending a
     collective that waited too long: a stall that TensorFlow itself cut short."""
@@ -370,18 +523,23 @@ def collective_timeout_message(
         f"{first}); most likely a worker stopped taking part."
     )
     closing = "TensorFlow's error follows."
-    return _explained(headline, stack, report, nccl, closing)
+    return _explained(headline, stack, report, nccl, closing, place)
 
 
 _hooked = False
+#: The multi-worker strategy whose user-set collective timeout is reported (the latest).
+_timed_out: Optional[_Strategy] = None
 
 
-def report_collective_timeouts(timeout: float, report: Report) -> None:
+def report_collective_timeouts(
+    timeout: float, report: Report, strategy: Any = None, place: Optional[stalls.Place] = None
+) -> None:
     """Multi-worker with the user's ``CommunicationOptions(timeout_seconds=...)``: report
     its ``DeadlineExceededError``, when nothing catches it, like a stall (the ERROR and the
-    record) before Python reports it as usual. Installed once; the latest report applies."""
-    global _hooked, _report
-    _report = report
+    record at ``place``) before Python reports it as usual. Installed once; the latest
+    strategy applies."""
+    global _hooked, _timed_out
+    _timed_out = _Strategy(_held(strategy), report, place)
     if _hooked:
         return
     _hooked = True
@@ -399,9 +557,11 @@ def report_collective_timeouts(timeout: float, report: Report) -> None:
 
 
 def _collective_timeout(timeout: float, error: BaseException, trace: Any) -> None:
-    report = _report
+    culprit = _timed_out
+    report = culprit.report if culprit is not None else None
+    place = culprit.place if culprit is not None else None
     kept = [entry for entry in traceback.extract_tb(trace) if not _is_library(entry.filename)]
     stack = "".join(traceback.StackSummary.from_list(kept).format()).rstrip()
-    text = collective_timeout_message(timeout, error, stack, report, _nccl_variables())
-    _stalled(text, report, timeout)
+    text = collective_timeout_message(timeout, error, stack, report, _nccl_variables(), place)
+    _stalled(text, culprit, timeout)
     _flush_logs()

@@ -1,14 +1,17 @@
 """The command line: the probe report for this machine, as text or JSON.
 
 With ``TF_CONFIG`` set it shows the multi-worker view (:mod:`safestrategy.multiworker.cli`).
+``python -m safestrategy records`` lists (``--forget``: forgets) every stall record on
+this machine, of both key spaces, importing nothing beyond the cache.
 ``--benchmark`` then times every backend that passed over a range of sizes
 (:mod:`safestrategy._benchmark`), ``--plot FILE.png`` draws it. Text output shows
 progress as it goes: each candidate's result as it comes, and the elapsed time
 while a check (NCCL's probe process) or a timing runs long.
 
 Exit status: 0 a working backend was found, 1 none was (or TensorFlow is
-missing), 2 bad arguments or bad ``SAFESTRATEGY_*`` values (``--plot`` without
-matplotlib too: it is found out before anything runs, like a bad argument).
+missing, or the plot could not be drawn), 2 bad arguments or bad ``SAFESTRATEGY_*``
+values (``--plot`` without matplotlib, or to a file that cannot be written, too: it is
+found out before anything runs, like a bad argument).
 """
 
 import argparse
@@ -29,9 +32,13 @@ from ._env import (
     ENV_NCCL_REMEDIES,
     ENV_TF_CONFIG,
     ENV_TIMEOUT,
+    cache_dir,
+    resolve_switch,
     resolve_timeout,
 )
-from .backends import BACKENDS
+from .backends import BACKEND_NAMES, BACKENDS, COMMUNICATION_NAMES
+from .checks import stalls
+from .checks.allreduce import first_line
 from .factory import decide
 from .report import OK, CandidateResult, NoWorkingBackendError, Report
 
@@ -46,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Find the cross-device all-reduce that works on this machine's devices: "
         "each candidate is run for real and its sums checked.",
         epilog=f"backends, in auto order:\n{backends}\n\n"
+        "subcommands:\n  records            list (--forget: forget) the stall records on this "
+        "machine, one-machine and multi-worker alike\n\n"
         f"environment: {ENV_BACKEND} (same values as --backend), "
         f"{ENV_TIMEOUT} (seconds, default {DEFAULT_TIMEOUT:g}), "
         f"{ENV_CACHE} (on/off), {ENV_CACHE_DIR}, {ENV_NCCL_REMEDIES} (on/off)",
@@ -111,12 +120,13 @@ def _elapsed(
         thread.join()
 
 
-def _benchmark_and_plot(tf: Any, report: Report, args: argparse.Namespace) -> None:
-    """Time every backend that passed over the sizes, print the tables, draw the plot."""
+def _benchmark_and_plot(tf: Any, report: Report, args: argparse.Namespace) -> int:
+    """Time every backend that passed over the sizes, print the tables (a line for a backend
+    that could not be measured), draw the plot; the exit status (1: no plot drawn)."""
     replicas = len(report.devices)
     if not any(candidate.status == OK for candidate in report.candidates):
         print(f"\nnothing to benchmark: {report.reason}")
-        return
+        return 0
     print(
         f"\n# all-reduce (sum, float32) on {replicas} devices: {', '.join(report.devices)}"
         f"\n# median of {_benchmark.RUNS} runs after a warm-up; busbw = algbw * 2(n-1)/n",
@@ -130,11 +140,36 @@ def _benchmark_and_plot(tf: Any, report: Report, args: argparse.Namespace) -> No
 
         sweeps = []
         for sweep in _benchmark.measure(tf, report, resolve_timeout(args.timeout), before):
-            print(_benchmark.table(sweep, replicas), flush=True)
-            sweeps.append(sweep)
-    if args.plot:
+            if sweep.failed is None:
+                print(_benchmark.table(sweep, replicas), flush=True)
+                sweeps.append(sweep)
+            else:
+                print(f"# {sweep.backend}: not measured: {sweep.failed}", flush=True)
+    if not args.plot:
+        return 0
+    try:
+        if not sweeps:
+            raise RuntimeError("no backend was measured")
         _benchmark.plot(sweeps, report, args.plot)
-        print(f"# plot written to {args.plot}")
+    except Exception as error:  # matplotlib's errors, OSError: a line, not a traceback
+        kind, message = first_line(error)
+        print(f"safestrategy: could not draw the plot: {kind}: {message}", file=sys.stderr)
+        return 1
+    print(f"# plot written to {args.plot}")
+    return 0
+
+
+def _cannot_write(path: str) -> Optional[str]:
+    """Why ``path`` cannot be written (``--plot``), or None when it can: an existing file
+    must be writable, a new one's directory must exist and be writable."""
+    if os.path.isdir(path):
+        return "it is a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "the file is not writable"
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"no directory {directory}"
+    return None if os.access(directory, os.W_OK) else f"the directory {directory} is not writable"
 
 
 def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
@@ -149,7 +184,46 @@ def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
             _tf.configure_logical_cpus(_tf.import_tf(), cpus)
 
 
+def _records(argv: List[str]) -> int:
+    """``python -m safestrategy records [--forget] [--backend NAME]``: every record on this
+    machine (one-machine and multi-worker), listed or forgotten; nothing is checked."""
+    names = sorted(set(BACKEND_NAMES) | set(COMMUNICATION_NAMES))
+    parser = argparse.ArgumentParser(
+        prog="safestrategy records",
+        description="List the stall records on this machine (one-machine and multi-worker "
+        "alike, TF_CONFIG set or not), or forget them.",
+    )
+    parser.add_argument("--forget", action="store_true", help="forget them")
+    parser.add_argument("--backend", choices=names, metavar="NAME", help="only this backend's")
+    args = parser.parse_args(argv)
+    try:
+        cache = resolve_switch(ENV_CACHE)
+    except ValueError as error:
+        print(f"safestrategy: error: {error}", file=sys.stderr)
+        return 2
+    if not cache:
+        print(f"{ENV_CACHE}=off: nothing is recorded or read")
+        return 0
+    where = cache_dir()
+    if args.forget:
+        gone = stalls.forget(where, args.backend)
+        print(f"forgot {gone} record{'' if gone == 1 else 's'} in {where}")
+        return 0
+    found = [r for r in stalls.every(where) if args.backend in (None, r[2].backend)]
+    print(f"{len(found)} record{'' if len(found) == 1 else 's'} in {where}")
+    for kind, key, stall in found:
+        if kind == stalls.MULTIWORKER_KIND:
+            place = f"multi-worker, {key.get('task')} of {', '.join(key.get('cluster') or ())}"
+        else:
+            place = f"one machine, {', '.join(key.get('devices') or ())}"
+        print(f"{stall.line()}  [{place}; TF {key.get('tf')}]")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["records"]:
+        return _records(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     benchmark = args.benchmark or bool(args.plot)
@@ -159,6 +233,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(
             f"safestrategy: error: --plot needs matplotlib: {_benchmark.PLOT_INSTALL}",
             file=sys.stderr,
+        )
+        return 2
+    unwritable = _cannot_write(args.plot) if args.plot else None
+    if unwritable is not None:
+        print(
+            f"safestrategy: error: --plot cannot write {args.plot}: {unwritable}", file=sys.stderr
         )
         return 2
     if os.environ.get(ENV_TF_CONFIG, "").strip():  # TensorFlow's own variable: multi-worker
@@ -203,5 +283,5 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     print(report.to_json() if args.json else f"\n{report}")
     if benchmark and status == 0:
-        _benchmark_and_plot(_tf.import_tf(), report, args)
+        status = _benchmark_and_plot(_tf.import_tf(), report, args)
     return status

@@ -250,6 +250,7 @@ def make_mirrored_strategy(
     era = _tf.era(tf.__version__)
     mirrored = tf.contrib.distribute if era == "contrib-tower" else tf.distribute
     check_kwargs("make_mirrored_strategy", mirrored.MirroredStrategy, kwargs)
+    place = None  # where a stall of it is recorded: only where a next decision reads it
     if request is None:
         strategy = build_strategy(tf, era, devices, **kwargs)
         report = _own_ops_report(tf.__version__, strategy, own_ops)
@@ -262,8 +263,9 @@ def make_mirrored_strategy(
             nccl.apply_remedy(chosen.remedy, report.devices)
         ops = build_cross_device_ops(tf, era, report.backend, report.devices)
         strategy = build_strategy(tf, era, list(report.devices), ops, **kwargs)
+        place = stalls.place_for(tf, report, request.nccl.cache)
     set_last_report(report)
-    _watchdog.watch(stall_settings, report)
+    _watchdog.watch(stall_settings, report, strategy, place)
     return strategy
 
 

@@ -13,6 +13,10 @@ logical CPUs; a layer calls ``tf.py_function`` that sleeps as the scenario says.
 - ``never``: a first step that compiles, fast steps, steps of 0.8 T, 3 T idle after ``fit``, then a
   notebook-like loop that pauses 1.5 T between cells: none of it is a stall.
 - ``report``: build the strategy only and print its report as JSON.
+- ``two``: two strategies of different backends (hierarchical_copy first, then
+  reduce_to_cpu); Keras ``fit`` on the first blocks its 5th step.
+- ``loop``: the same two strategies; a custom loop's traced ``tf.function`` step on
+  the first blocks: no strategy shows on the stuck stack.
 
 Lines starting with ``MARK`` carry ``time.time()`` so the test can time the ERROR.
 """
@@ -79,9 +83,15 @@ class Steps(tf.keras.callbacks.Callback):
         mark(f"step {batch + 1} ends")
 
 
-if SCENARIO == "block":  # unwatched until compiled: a loaded machine may compile for > T
-    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = "off"
-strategy = safestrategy.make_mirrored_strategy(DEVICES)
+if SCENARIO in ("block", "two", "loop"):  # unwatched until compiled: a loaded machine may
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = "off"  # compile for > T
+if SCENARIO in ("two", "loop"):
+    strategy = safestrategy.make_mirrored_strategy(
+        DEVICES, backend="hierarchical_copy,reduce_to_cpu"
+    )
+    other = safestrategy.make_mirrored_strategy(DEVICES, backend="reduce_to_cpu,hierarchical_copy")
+else:
+    strategy = safestrategy.make_mirrored_strategy(DEVICES)
 if SCENARIO == "report":
     print(safestrategy.last_report().to_json(indent=None), flush=True)
     sys.exit(0)
@@ -102,6 +112,23 @@ if SCENARIO == "block":
     os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = f"{T:g}"
     safestrategy.make_mirrored_strategy(DEVICES)  # the same decision; now watched
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 3600.0})])
+elif SCENARIO == "two":
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # compiles the step
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = f"{T:g}"
+    safestrategy.make_mirrored_strategy(DEVICES, backend="reduce_to_cpu,hierarchical_copy")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 3600.0})])
+elif SCENARIO == "loop":
+
+    @tf.function
+    def step():
+        return strategy.run(lambda: Sleepy()(tf.ones((2, 4))))
+
+    step()  # traced and compiled before the watchdog is on
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = f"{T:g}"
+    safestrategy.make_mirrored_strategy(DEVICES, backend="reduce_to_cpu,hierarchical_copy")
+    sleep_for["seconds"] = 3600.0
+    mark("step starts")
+    step()
 elif SCENARIO == "slow":
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 2 * T})])
     time.sleep(T / 2)  # a sample or two after the step, for the INFO

@@ -90,3 +90,31 @@ def safestrategy_decisions_clear():
     from safestrategy import factory
 
     factory._decisions.clear()
+
+
+def test_records_lists_and_forgets_both_key_spaces_with_tf_config_set(run_cli, tf, tmp_path):
+    """``python -m safestrategy records``: one-machine and multi-worker records alike, on a
+    worker (TF_CONFIG set), where ``--devices ... --refresh`` is for one machine (exit 2)."""
+    from safestrategy.checks import stalls
+
+    stalls.record(stalls.on_machine(tf, ["/device:CPU:0", "/device:CPU:1"]), "nccl", 601, {})
+    worker = stalls.on_worker(tf, ["127.0.0.1:2222", "127.0.0.1:2223"], "worker:1")
+    stalls.record(worker, "ring", 602, {})
+    tf_config = json.dumps(
+        {
+            "cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
+            "task": {"type": "worker", "index": 1},
+        }
+    )
+    on_worker = {"TF_CONFIG": tf_config}
+    listed = run_cli("records", env=on_worker)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith("2 records in ")
+    assert "nccl" in listed.stdout and "one machine, /device:CPU:0, /device:CPU:1" in listed.stdout
+    assert "ring" in listed.stdout and "multi-worker, worker:1 of 127.0.0.1:2222" in listed.stdout
+    assert run_cli("--devices", "/cpu:0", "/cpu:1", "--refresh", env=on_worker).returncode == 2
+    forgot = run_cli("records", "--forget", "--backend", "ring", env=on_worker)
+    assert forgot.stdout.startswith("forgot 1 record in ")
+    assert run_cli("records").stdout.startswith("1 record in ")
+    assert run_cli("records", "--backend", "bogus").returncode == 2
+    assert run_cli("records", env={"SAFESTRATEGY_CACHE": "maybe"}).returncode == 2

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -488,6 +489,66 @@ def test_a_peer_that_leaves_a_later_round_stops_the_others_at_once_naming_its_cu
     assert results["worker:0 seconds"] < 10
 
 
+# --- Keras 3 (keras-team/keras#20585) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tf_version, environ, keras_version, fix",
+    [
+        ("2.16.1", {}, None, "tf_keras~=2.16"),  # keras not imported yet: TF 2.16+ means 3
+        ("2.21.0", {}, "3.15.1", "tf_keras~=2.21"),
+        ("2.21.0rc1", {"TF_USE_LEGACY_KERAS": "0"}, None, "tf_keras~=2.21"),
+        ("2.21.0", {"TF_USE_LEGACY_KERAS": "yes"}, None, "tf_keras~=2.21"),  # TF ignores it
+    ],
+)
+def test_keras_3_under_tf_2_16_and_later_is_warned_with_tensorflows_way_back(
+    tf_version, environ, keras_version, fix
+):
+    message = multiworker.keras3_warning(tf_version, environ, keras_version)
+    assert "keras-team/keras#20585" in message
+    assert f"pip install {fix} and set TF_USE_LEGACY_KERAS=1" in message
+    assert "PerReplica" in message and "Custom training loops" in message
+    assert ("Keras " + keras_version if keras_version else "Keras 3") in message
+    if "TF_USE_LEGACY_KERAS" in environ:  # set, but to a value TensorFlow does not accept
+        assert f"TF_USE_LEGACY_KERAS={environ['TF_USE_LEGACY_KERAS']!r} is not one" in message
+
+
+@pytest.mark.parametrize(
+    "tf_version, environ, keras_version",
+    [
+        ("2.15.1", {}, None),  # tf.keras is Keras 2.15
+        ("2.10.1", {}, "3.15.1"),  # a Keras 3 of the user's beside an old TF: not tf.keras
+        ("2.21.0", {"TF_USE_LEGACY_KERAS": "1"}, "3.15.1"),  # TF routes tf.keras to tf_keras
+        ("2.21.0", {"TF_USE_LEGACY_KERAS": "true"}, None),
+        ("2.16.2", {"TF_USE_LEGACY_KERAS": "True"}, None),
+        ("2.16.2", {}, "2.15.0"),  # a Keras 2 already imported: TF routes tf.keras to it
+        ("a-vendor-build", {}, None),  # cannot tell
+    ],
+)
+def test_no_keras_warning_where_tf_keras_is_not_keras_3(tf_version, environ, keras_version):
+    assert multiworker.keras3_warning(tf_version, environ, keras_version) is None
+
+
+def test_the_keras_version_is_read_without_importing_keras(monkeypatch):
+    monkeypatch.delitem(sys.modules, "keras", raising=False)
+    assert multiworker.imported_keras_version() is None
+    assert "keras" not in sys.modules
+    monkeypatch.setitem(sys.modules, "keras", types.SimpleNamespace(__version__="3.1.0"))
+    assert multiworker.imported_keras_version() == "3.1.0"
+
+
+def test_the_keras_warning_is_logged_once_per_process(monkeypatch, caplog):
+    monkeypatch.setattr(multiworker, "_keras_warned", False)
+    monkeypatch.setattr(multiworker, "imported_keras_version", lambda: None)
+    monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
+    with caplog.at_level("WARNING", logger="safestrategy"):
+        multiworker._warn_keras3("2.21.0")
+        multiworker._warn_keras3("2.21.0")
+    assert [r.getMessage() for r in caplog.records] == [
+        multiworker.keras3_warning("2.21.0", {}, None)
+    ]
+
+
 # --- the real thing: TensorFlow -----------------------------------------------------------
 
 
@@ -582,3 +643,39 @@ def test_a_worker_judges_its_own_replicas_against_the_global_sum():
     assert ring.reason.startswith("1 replicas in sync, expected 2")
     error = judge({"error": ["InternalError", "NCCL failure"]}, 2, 1)
     assert (error.status, error.reason) == ("failed", "InternalError: NCCL failure")
+
+
+#: One worker calls the real factory and prints what the ``safestrategy`` logger said.
+KERAS_CALLER = """
+import json, logging, os
+import tensorflow as tf
+import safestrategy
+from safestrategy.multiworker import factory
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append([record.levelname, record.getMessage()])
+logging.getLogger("safestrategy").addHandler(Keep())
+logging.getLogger("safestrategy").setLevel(logging.INFO)
+strategy = safestrategy.make_multiworker_strategy()
+keras = factory.imported_keras_version()
+print("RESULT " + json.dumps({"tf": tf.__version__, "keras": keras, "records": records}))
+os._exit(0)  # skip TensorFlow's slow gRPC teardown
+"""
+
+
+def test_the_factory_warns_about_keras_3_where_tf_keras_is_keras_3(tf2, monkeypatch):
+    """The real factory path, one worker in a fresh process (a process builds one strategy
+    on its TF_CONFIG port): on TF 2.16+ with Keras 3 the WARNING, elsewhere none."""
+    monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
+    env = {"TF_CONFIG": tf_configs(1)[0], "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = run_python("-c", KERAS_CALLER, env=env, timeout=120)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, result.stderr[-3000:]
+    child = json.loads(lines[0][len("RESULT ") :])
+    keras_warnings = [m for level, m in child["records"] if level == "WARNING" and "Keras" in m]
+    expected = multiworker.keras3_warning(child["tf"], {}, child["keras"])
+    assert keras_warnings == ([expected] if expected else [])
+    major, minor = (int(part) for part in child["tf"].split(".")[:2])
+    if (major, minor) >= (2, 16) and (child["keras"] or "3.").startswith("3."):
+        assert f"tf_keras~={major}.{minor}" in keras_warnings[0]  # TF 2.21: tf_keras~=2.21

@@ -8,9 +8,11 @@ the probe process's own hygiene (``_worker.connect``) is the real code.
 """
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -179,7 +181,10 @@ def test_wrong_sums_are_rejected_with_expected_and_got(fake):
 
 
 CALLER = """
-import sys, time
+import signal, sys, time
+# Ctrl-C must reach us even where SIGINT came in ignored (`cmd &` in a script, nohup, some CI
+# runners): Python then installs no KeyboardInterrupt handler of its own.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import safestrategy
 from safestrategy import _devices, _machine, _tf
 from safestrategy.checks import probe as _probe
@@ -195,23 +200,52 @@ except KeyboardInterrupt:  # a notebook kernel lives on after Ctrl-C
 """
 
 
+def read_line(stream, within, waiting_for):
+    """The next line of ``stream``, or the test fails after ``within`` seconds saying what it
+    waited for (a reader thread: a pipe's ``readline`` has no timeout of its own)."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=within)
+    except queue.Empty:
+        pytest.fail(f"no line within {within} s from the caller: waited for {waiting_for}")
+
+
+#: Starts the command after it with SIGINT ignored, as ``cmd &`` in a script or ``nohup``
+#: leave it (an ignored signal stays ignored across exec; no ``preexec_fn`` in a process
+#: with TensorFlow's threads).
+IGNORING_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+)
+
+
 @pytest.mark.skipif(os.name != "posix", reason="sends POSIX signals")
 @pytest.mark.parametrize(
-    "behaviour, sig",
+    "behaviour, sig, sigint",
     [
-        ("hang", signal.SIGTERM),  # a cancelled SLURM or Kubernetes job
-        ("hang", signal.SIGKILL),
-        ("hang", signal.SIGINT),  # Ctrl-C while the check hangs
-        ("slow-start", signal.SIGINT),  # Ctrl-C while the probe process starts
+        pytest.param("hang", signal.SIGTERM, "default", id="hang-SIGTERM"),  # a cancelled job
+        pytest.param("hang", signal.SIGKILL, "default", id="hang-SIGKILL"),
+        pytest.param("hang", signal.SIGINT, "default", id="hang-SIGINT"),  # Ctrl-C while it hangs
+        # Ctrl-C while the probe process starts
+        pytest.param("slow-start", signal.SIGINT, "default", id="slow-start-SIGINT"),
+        # the caller started with SIGINT ignored: its own handler still takes the Ctrl-C
+        pytest.param("hang", signal.SIGINT, "ignored", id="hang-SIGINT-ignored"),
+        pytest.param("slow-start", signal.SIGINT, "ignored", id="slow-start-SIGINT-ignored"),
     ],
 )
-def test_the_probe_process_never_outlives_its_caller(tf, tmp_path, behaviour, sig):
+def test_the_probe_process_never_outlives_its_caller(tf, tmp_path, behaviour, sig, sigint):
     pidfile = tmp_path / "pid"
     env = dict(os.environ, FAKE_WORKER=behaviour, FAKE_WORKER_PIDFILE=str(pidfile))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["SAFESTRATEGY_CACHE"] = "off"
+    start = [sys.executable] + (["-c", IGNORING_SIGINT] if sigint == "ignored" else [])
+    if sigint == "ignored":  # the start really leaves SIGINT ignored, or this case proves nothing
+        asks = "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"
+        shown = subprocess.run([*start, "-c", asks], stdout=subprocess.PIPE, timeout=60)
+        assert shown.stdout == b"True\n"
     caller = subprocess.Popen(
-        [sys.executable, "-c", CALLER.format(fake=FAKE_WORKER)],
+        [*start, "-c", CALLER.format(fake=FAKE_WORKER)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -219,14 +253,15 @@ def test_the_probe_process_never_outlives_its_caller(tf, tmp_path, behaviour, si
     try:
         deadline = time.monotonic() + 120
         while not pidfile.exists() or not pidfile.read_text():
-            assert caller.poll() is None, caller.communicate()
+            assert caller.poll() is None, caller.communicate(timeout=30)
             assert time.monotonic() < deadline, "the probe process never started"
             time.sleep(0.05)
         child = int(pidfile.read_text())
         time.sleep(0.5)  # let it reach the hang (or stay in its slow start)
         caller.send_signal(sig)
         if sig == signal.SIGINT:
-            assert caller.stdout.readline() == b"interrupted\n"
+            line = read_line(caller.stdout, 30, "'interrupted' after SIGINT")
+            assert line == b"interrupted\n"
             assert gone(child), f"probe process {child} outlived the interrupted probe"
             assert caller.poll() is None
         else:
@@ -234,4 +269,4 @@ def test_the_probe_process_never_outlives_its_caller(tf, tmp_path, behaviour, si
             assert gone(child), f"probe process {child} outlived its caller ({sig!r})"
     finally:
         caller.kill()
-        caller.wait()
+        caller.wait(timeout=30)

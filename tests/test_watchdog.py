@@ -164,6 +164,7 @@ def report(**fields):
 
 
 def test_the_message_says_where_what_and_what_to_try():
+    worker = _stalls.Place(_stalls.MULTIWORKER_KIND, {"task": "worker:1"}, read=False)
     text = _watchdog.message(
         612.0,
         INPUT,
@@ -172,6 +173,7 @@ def test_the_message_says_where_what_and_what_to_try():
         report(task="worker:1", workers=2),
         {"NCCL_SHM_DISABLE": "1"},
         _env.StallSettings(600.0, "exit"),
+        worker,
     )
     for words in (
         "612 s",
@@ -183,11 +185,84 @@ def test_the_message_says_where_what_and_what_to_try():
         "NCCL_DEBUG=INFO",
         "SAFESTRATEGY_COMMUNICATION=ring",
         "raise SAFESTRATEGY_STALL_TIMEOUT",
-        "--devices /gpu:0 /gpu:1 --refresh",
+        "The stall is recorded for this worker (`python -m safestrategy records` lists it",
         "exit code 75",
     ):
         assert words in text
     assert "NCCL_SHM_DISABLE=1, then" not in text  # the user's own is not suggested
+    # a multi-worker stall is not read by any next choice: it says so, not "skips"
+    assert "--refresh" not in text and "next automatic choice" not in text
+
+
+def stall_text(backend="nccl", candidates=(), place="machine", **fields):
+    """The ERROR for a stall of ``backend`` with these candidates (``place``: "machine",
+    a record read by the next choice; None: no record)."""
+    where = report(backend=backend, candidates=candidates, **fields)
+    recorded = _stalls.Place(_stalls.KIND, {}, True, where.devices) if place else None
+    settings = _env.StallSettings(600.0, "warn")
+    return _watchdog.message(601.0, STEP, "MainThread", "", where, {}, settings, recorded)
+
+
+def result(name, status, reason="fake"):
+    return safestrategy.CandidateResult(name, status, reason)
+
+
+def tips(text):
+    """The "what to try" lines of an ERROR."""
+    return text.split("what to try:\n  - ", 1)[1].split("\n  - ")
+
+
+def test_what_to_try_names_only_backends_that_passed_here_or_were_not_checked():
+    three = ("/device:CPU:0", "/device:CPU:1", "/device:CPU:2")
+    candidates = (
+        result("collective", "failed", "TF 2.12's MirroredStrategy default is NcclAllReduce"),
+        result("nccl", "skipped", "no GPU among the devices"),
+        result("hierarchical_copy", "failed", "wrong sum: expected 6 on each of 3 replicas"),
+        result("reduce_to_gpu", "skipped", "no GPU among the devices"),
+        result("reduce_to_cpu", "ok"),
+    )
+    advice = "".join(tips(stall_text("reduce_to_cpu", candidates, devices=three)))
+    for name in ("hierarchical_copy", "reduce_to_gpu", "collective", "another backend", "NCCL"):
+        assert name not in advice  # each failed or was skipped here: nothing is left to offer
+    listed = (result("hierarchical_copy", "ok"), result("reduce_to_cpu", "ok"))
+    advice = tips(stall_text("reduce_to_cpu", listed, mode="list", devices=three[:2]))
+    # passed here first, then what the list did not check; never a GPU backend on CPUs
+    assert "another backend: SAFESTRATEGY_BACKEND=hierarchical_copy (or collective)" in advice
+
+
+def test_an_nccl_stall_is_not_offered_collective_on_nccl_and_ring_gets_no_nccl_fixes():
+    candidates = (
+        result("collective", "ok", "all 2 replicas got the right sum (NCCL requested)"),
+        result("nccl", "ok"),
+        result("hierarchical_copy", "ok"),
+    )
+    text = stall_text("nccl", candidates)
+    switch = next(tip for tip in tips(text) if tip.startswith("another backend"))
+    assert switch.startswith("another backend: SAFESTRATEGY_BACKEND=hierarchical_copy")
+    assert "collective" not in switch and "NCCL_P2P_DISABLE=1" in text
+    ring = (result("collective", "ok", "all 2 replicas got the right sum (RING requested)"),)
+    cpus = ("/device:CPU:0", "/device:CPU:1")
+    text = stall_text("collective", ring, devices=cpus)
+    assert "NCCL_P2P_DISABLE" not in text and "NCCL_DEBUG" not in text
+
+
+def test_your_own_cross_device_ops_is_what_to_change_and_nothing_is_recorded():
+    text = stall_text("ReductionToOneDevice", (), place=None, source="argument", mode="forced")
+    assert "pass another cross_device_ops=" in text and "SAFESTRATEGY_BACKEND is ignored" in text
+    assert "another backend: SAFESTRATEGY_BACKEND" not in text and "is recorded" not in text
+
+
+def test_the_record_is_promised_only_where_one_is_written_and_read(tf, monkeypatch):
+    def place(mode, devices, cache="on"):
+        monkeypatch.setenv("SAFESTRATEGY_CACHE", cache)
+        return _stalls.place_for(tf, report(mode=mode, devices=devices))
+
+    assert place("list", CPUS) is not None and place("list", CPUS).read
+    assert place("forced", CPUS) is None  # the next forced choice takes it anyway
+    assert place("auto", CPUS[:1]) is None  # one device: nothing all-reduces
+    assert place("auto", CPUS, cache="off") is None
+    assert "is recorded" not in stall_text("nccl", (), place=None)
+    assert "the next automatic choice on these devices skips nccl" in stall_text("nccl", ())
 
 
 # --- the next decision, from a stall record -------------------------------------------------
@@ -198,8 +273,7 @@ CPUS = ["/cpu:0", "/cpu:1"]
 def recorded_stall(tf, backend, remedy=None, devices=CPUS):
     """A stall record as the watchdog writes it, for ``backend`` on ``devices``."""
     names = tuple(str(d) for d in parse_devices(devices))
-    candidates = (safestrategy.CandidateResult(backend, "ok", remedy=remedy or {}),)
-    _stalls.record(tf, report(backend=backend, devices=names, candidates=candidates), 601.0)
+    _stalls.record(_stalls.on_machine(tf, names), backend, 601.0, remedy or {})
     factory._decisions.clear()
 
 
@@ -246,14 +320,34 @@ def test_the_cache_switch_covers_stall_records(tf, monkeypatch):
     assert safestrategy.probe(CPUS).stalls == ()
 
 
-def test_nccl_that_stalled_gets_the_remedy_not_tried_yet(fake, tf):
+@pytest.mark.parametrize("backend", ["nccl", "collective"])
+def test_nccl_that_stalled_gets_the_remedy_not_tried_yet(fake, tf, backend):
+    """The one remedy loop serves a collective on NCCL as it serves nccl."""
+    from safestrategy._tf import release
+    from safestrategy.backends import FIRST_VERSION
+
+    if backend == "collective" and release(tf.__version__) < FIRST_VERSION:
+        pytest.skip("collective is MirroredStrategy's default from TF 2.13")
+    fake("ok")
+    recorded_stall(tf, backend, devices=["/gpu:0", "/gpu:1"])
+    result = safestrategy.probe(["/gpu:0", "/gpu:1"], backend=f"{backend},reduce_to_gpu")
+    stalled = result.candidates[0]
+    assert (result.backend, stalled.remedy) == (backend, {"NCCL_P2P_DISABLE": "1"})
+    assert "after it failed without: stalled during training" in stalled.reason
+    assert fake.starts()[-1] == "start NCCL_P2P_DISABLE=1"
+
+
+def test_a_stalled_nccls_remedy_retries_are_verdicts_cached_like_any_other(fake, tf):
+    """After a stall, the retry costs its probe processes once, not at every launch."""
     fake("ok")
     recorded_stall(tf, "nccl", devices=["/gpu:0", "/gpu:1"])
-    result = safestrategy.probe(["/gpu:0", "/gpu:1"], backend="nccl,reduce_to_gpu")
-    nccl = result.candidates[0]
-    assert (result.backend, nccl.remedy) == ("nccl", {"NCCL_P2P_DISABLE": "1"})
-    assert "after it failed without: stalled during training" in nccl.reason
-    assert fake.starts()[-1] == "start NCCL_P2P_DISABLE=1"
+    listed = {"backend": "nccl,reduce_to_gpu"}
+    first = safestrategy.probe(["/gpu:0", "/gpu:1"], **listed).candidates[0]
+    starts = len(fake.starts())
+    factory._decisions.clear()  # a later launch
+    again = safestrategy.probe(["/gpu:0", "/gpu:1"], **listed).candidates[0]
+    assert (again.status, again.remedy, again.cached) == ("ok", first.remedy, True)
+    assert len(fake.starts()) == starts  # no probe process this time
 
 
 # --- real trainings, each in its own process (TF2: Keras fit on two logical CPUs) ----------
@@ -327,6 +421,32 @@ def test_a_blocked_step_is_reported_ends_the_process_and_is_remembered(tf2, tmp_
 
 
 @needs_tf
+def test_a_stall_is_blamed_on_the_stuck_strategy_not_the_last_one_built(tf2, tmp_path):
+    """Two strategies in a process; fit on the first (hierarchical_copy) stalls after the
+    second (reduce_to_cpu) was built: the ERROR and the record name the first."""
+    run = train("two", tmp_path, SAFESTRATEGY_STALL_ACTION="exit")
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert "backend hierarchical_copy (list) on /device:CPU:0, /device:CPU:1" in run.stderr
+    assert "backend reduce_to_cpu" not in run.stderr.split("where (most recent call last)")[1]
+    cache = {"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache")}
+    listed = run_python("-m", "safestrategy", "records", env=cache, timeout=120)
+    assert "hierarchical_copy" in listed.stdout and "reduce_to_cpu" not in listed.stdout
+
+
+@needs_tf
+def test_a_stall_no_strategy_can_be_blamed_for_lists_them_all_and_records_nothing(tf2, tmp_path):
+    run = train("loop", tmp_path, SAFESTRATEGY_STALL_ACTION="exit")
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert "backend unknown: 2 strategies are watched" in run.stderr
+    assert "  - backend hierarchical_copy (list)" in run.stderr
+    assert "  - backend reduce_to_cpu (list)" in run.stderr
+    assert "Nothing is recorded" in run.stderr
+    cache = {"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache")}
+    listed = run_python("-m", "safestrategy", "records", env=cache, timeout=120)
+    assert listed.returncode == 0 and "stalled during training" not in listed.stdout
+
+
+@needs_tf
 def test_a_slow_step_is_an_error_then_info_and_no_record(tf2, tmp_path):
     run = train("slow", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -389,11 +509,12 @@ def test_a_collective_timeout_the_user_set_is_reported_like_a_stall(tf, monkeypa
     before = []
     monkeypatch.setattr(sys, "excepthook", lambda *args: before.append(args))
     monkeypatch.setattr(_watchdog, "_hooked", False)
-    monkeypatch.setattr(_watchdog, "_report", None)
+    monkeypatch.setattr(_watchdog, "_timed_out", None)
     ring = report(
         backend="ring", devices=("/device:CPU:0",), candidates=(), workers=2, task="worker:1"
     )
-    _watchdog.report_collective_timeouts(30.0, ring)
+    worker = _stalls.on_worker(tf, ["127.0.0.1:1", "127.0.0.1:2"], "worker:1")
+    _watchdog.report_collective_timeouts(30.0, ring, None, worker)
     try:
         raise tf.errors.DeadlineExceededError(None, None, "Collective ops is aborted by: timeout")
     except tf.errors.DeadlineExceededError as error:
@@ -405,6 +526,9 @@ def test_a_collective_timeout_the_user_set_is_reported_like_a_stall(tf, monkeypa
     assert "CommunicationOptions(timeout_seconds=30) you set" in text
     assert "Collective ops is aborted by: timeout" in text
     assert "this is worker:1 of 2 workers" in text and "test_watchdog.py" in text
-    assert [s.backend for s in _stalls.recorded(tf, ["/device:CPU:0"])] == ["ring"]
+    # a multi-worker record lives in its own key space, never read by one machine's choice
+    assert _stalls.recorded(tf, ["/device:CPU:0"]) == ()
+    recorded = [(kind, stall.backend) for kind, _, stall in _stalls.every(_stalls.directory())]
+    assert recorded == [(_stalls.MULTIWORKER_KIND, "ring")]
     sys.excepthook(ValueError, ValueError("other"), None)  # other errors: only Python's report
     assert len(before) == 2 and len(caplog.records) == 1

@@ -1,27 +1,37 @@
-"""Stall records: a backend that stalled during training is remembered for the next launch.
+"""Records of trouble during training: a backend that stalled is remembered for the next launch.
 
 The watchdog (:mod:`safestrategy._watchdog`) writes a record when a call stalls
 and withdraws it when the call finishes after all; a record that stays (the
 process was ended while stuck) makes the next ``auto`` or listed decision for
-this machine and device set treat that backend as failed. For NCCL, the
-remedy not tried yet comes first (:func:`verdict`). Records live in the
-verdict cache (:mod:`safestrategy._cache`, kind ``stall``), keyed by the
-machine, the device set, TensorFlow's version and build, and the backend, and
-obey the same switches (``SAFESTRATEGY_CACHE``, ``--refresh``, 7 days).
+this machine and device set treat that backend as failed. For NCCL (and a
+``collective`` on NCCL), the remedy not tried yet comes first
+(:func:`verdict`), and those retries are verdicts like any other: cached.
+
+Records live in the verdict cache (:mod:`safestrategy._cache`) in two key
+spaces (a :class:`Place`): one machine's (kind ``stall``: the machine, the
+device set, TensorFlow's version and build, the backend) and a worker's of
+multi-worker training (kind ``mwstall``: the cluster, this task, TensorFlow's
+version and build, the communication), so a multi-worker NCCL stall (a peer
+that stopped is the usual cause) never demotes NCCL for one machine. Both obey
+the same switches (``SAFESTRATEGY_CACHE``, ``--refresh``, 7 days).
 """
 
 import datetime
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _cache, _env, _machine, _tf
-from ..backends import NCCL
 from ..report import FAILED, CandidateResult, Report, Stall
 from . import nccl
 
 logger = logging.getLogger("safestrategy")
 
+#: The two key spaces: one machine's records, and a multi-worker worker's.
 KIND = "stall"
+MULTIWORKER_KIND = "mwstall"
+KINDS = (KIND, MULTIWORKER_KIND)
+#: NCCL's remedy retries after a stall, cached like verdicts.
+RETRY_KIND = "stallretry"
 
 
 def _key(tf: Any, devices: Sequence[str], backend: Optional[str]) -> Dict[str, Any]:
@@ -32,6 +42,44 @@ def _key(tf: Any, devices: Sequence[str], backend: Optional[str]) -> Dict[str, A
         "build": _tf.build_info(tf),
         "backend": backend,
     }
+
+
+class Place(NamedTuple):
+    """Where a strategy's records go: a key space and the key without its backend."""
+
+    kind: str  #: :data:`KIND` or :data:`MULTIWORKER_KIND`
+    key: Mapping[str, Any]
+    #: A next decision reads records here (one machine: ``auto`` and lists skip a backend
+    #: with a record); multi-worker records are listed, not read, in 0.3.
+    read: bool
+    devices: Tuple[str, ...] = ()  #: one machine: the devices (for the re-allow command)
+
+
+def on_machine(tf: Any, devices: Sequence[str]) -> Place:
+    """One machine's place for ``devices``."""
+    return Place(KIND, _key(tf, devices, None), True, tuple(devices))
+
+
+def place_for(tf: Any, report: Report, cache: bool = True) -> Optional[Place]:
+    """Where a stall of ``report``'s strategy is recorded on one machine; None where no
+    next decision would read a record: the cache off, one device, a forced backend."""
+    if directory(cache) is None or len(report.devices) < 2 or report.mode == "forced":
+        return None
+    return on_machine(tf, report.devices)
+
+
+def on_worker(tf: Any, cluster: Sequence[str], task: str) -> Optional[Place]:
+    """A multi-worker worker's place: the cluster (every worker's address, in order) and
+    this task; None with the cache off."""
+    if directory() is None:
+        return None
+    key = {
+        "cluster": list(cluster),
+        "task": task,
+        "tf": tf.__version__,
+        "build": _tf.build_info(tf),
+    }
+    return Place(MULTIWORKER_KIND, {**key, "backend": None}, False)
 
 
 def directory(cache: bool = True) -> Optional[str]:
@@ -47,26 +95,45 @@ def refresh_command(devices: Sequence[str]) -> str:
     return nccl.refresh_command(devices)
 
 
-def record(tf: Any, report: Report, seconds: float) -> None:
-    """Record that ``report``'s backend stalled for ``seconds`` (with its remedy, if any)."""
-    where = directory()
-    if where is None:
-        return
-    chosen = next((c for c in report.candidates if c.name == report.backend), None)
-    value = Stall(
-        report.backend,
-        round(seconds, 1),
-        datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        dict(chosen.remedy) if chosen is not None else {},
-    )
-    _cache.write(where, KIND, _key(tf, report.devices, report.backend), value.to_dict())
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def withdraw(tf: Any, report: Report) -> None:
-    """Forget the record of ``report``'s backend: its call finished after all."""
+def record(place: Place, backend: str, seconds: float, remedy: Mapping[str, str]) -> None:
+    """Record that ``backend`` stalled for ``seconds`` at ``place`` (with its remedy)."""
     where = directory()
     if where is not None:
-        _cache.remove(where, KIND, _key(tf, report.devices, report.backend))
+        value = Stall(backend, round(seconds, 1), _now(), dict(remedy))
+        _cache.write(where, place.kind, {**place.key, "backend": backend}, value.to_dict())
+
+
+def withdraw(place: Place, backend: str) -> None:
+    """Forget the record of ``backend`` at ``place``: its call finished after all."""
+    where = directory()
+    if where is not None:
+        _cache.remove(where, place.kind, {**place.key, "backend": backend})
+
+
+def every(where: str) -> List[Tuple[str, Dict[str, Any], Stall]]:
+    """Every record in the cache at ``where``, of both key spaces: (kind, key, record)."""
+    found = []
+    for kind in KINDS:
+        for key, value in _cache.entries(where, kind):
+            try:
+                found.append((kind, key, Stall(**value)))
+            except TypeError:
+                logger.debug("stall record %r has the wrong fields; ignored", value)
+    return found
+
+
+def forget(where: str, backend: Optional[str] = None) -> int:
+    """Forget every record (of ``backend`` only, when given), both key spaces; how many."""
+    gone = 0
+    for kind, key, stall in every(where):
+        if backend is None or stall.backend == backend:
+            _cache.remove(where, kind, key)
+            gone += 1
+    return gone
 
 
 def recorded(
@@ -100,17 +167,31 @@ def reason(stall: Stall, devices: Sequence[str]) -> str:
     )
 
 
-def verdict(stall: Stall, devices: Sequence[Any], opts: nccl.Options) -> CandidateResult:
-    """A stalled backend's result: failed, except that NCCL first gets the remedy not
-    tried yet, each in a fresh probe process (not cached: the record decides next time)."""
+def verdict(
+    tf: Any, stall: Stall, devices: Sequence[Any], opts: nccl.Options, on_nccl: bool
+) -> CandidateResult:
+    """A stalled backend's result: failed, except that a backend all-reducing with NCCL
+    (``on_nccl``: ``nccl``, a ``collective`` on NCCL) first gets the remedies not tried
+    yet, each in a fresh probe process, through the one remedy loop. Those retries are
+    verdicts: cached under NCCL's verdict key and the record (kind :data:`RETRY_KIND`),
+    so a stalled NCCL costs them once, not at every launch."""
     names = [str(device) for device in devices]
     failed = CandidateResult(stall.backend, FAILED, reason(stall, names), 0.0, cached=True)
-    if stall.backend != NCCL or not opts.remedies:
+    if not on_nccl or not opts.remedies:
         return failed
-    remedies = nccl.untried(stall.remedy, nccl.user_remedies())
-    return nccl.with_remedies(
-        failed, remedies, lambda remedy: nccl.attempt(devices, opts.timeout, remedy)
+    where = directory(opts.cache)
+    key = {**nccl.cache_key(tf, devices, opts), "stall": stall.to_dict()} if where else {}
+    cached = nccl.read_verdict(where, RETRY_KIND, key) if where and not opts.refresh else None
+    if cached is not None:
+        return cached
+    result = nccl.with_remedies(
+        failed,
+        nccl.untried(stall.remedy, nccl.user_remedies()),
+        lambda remedy: nccl.attempt(devices, opts.timeout, remedy, stall.backend),
     )
+    if where is not None:
+        _cache.write(where, RETRY_KIND, key, result.to_dict())
+    return result
 
 
 def warn_forced(report: Report, setting: _env.Setting) -> None:

@@ -15,8 +15,10 @@ is in docs/multiworker.md.
 import itertools
 import json
 import logging
+import os
 import platform as _platform
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -31,7 +33,7 @@ from .._env import (
     resolve_timeout,
 )
 from ..backends import NCCL, RING, build_multiworker_strategy, check_kwargs
-from ..checks import nccl, probe
+from ..checks import nccl, probe, stalls
 from ..report import (
     FAILED,
     OK,
@@ -53,6 +55,15 @@ logger = logging.getLogger("safestrategy")
 #: worker's first call) again.
 _sessions: Dict[str, int] = {}
 _lock = threading.Lock()
+
+#: Whether this process has logged :func:`keras3_warning`'s WARNING (once per process).
+_keras_warned = False
+
+#: The values of TF_USE_LEGACY_KERAS that make TensorFlow route ``tf.keras`` to ``tf_keras``:
+#: exactly these, as TF 2.16-2.21 test them (``tensorflow/python/util/lazy_loader.py``).
+LEGACY_KERAS = ("true", "True", "1")
+#: Keras 3's ``fit`` with MultiWorkerMirroredStrategy (also tensorflow/tensorflow#72388).
+KERAS3_ISSUE = "keras-team/keras#20585"
 
 NO_TF_CONFIG = (
     "TF_CONFIG is not set: make_multiworker_strategy() needs it to know the workers, e.g. "
@@ -264,6 +275,58 @@ def decide(
     return report
 
 
+def keras3_warning(
+    tf_version: str, environ: Mapping[str, str], keras_version: Optional[str]
+) -> Optional[str]:
+    """The WARNING for Keras 3's ``fit`` under this strategy; None where ``tf.keras`` is not
+    Keras 3, or where that cannot be told. Pure: the factory gives it this process's facts.
+
+    TensorFlow's own rule: from TF 2.16, ``tf.keras`` is Keras 3 unless ``TF_USE_LEGACY_KERAS``
+    (in ``environ``) is ``true``, ``True`` or ``1`` (then ``tf_keras``) or the ``keras`` found
+    is 2.x. ``keras_version`` is that of the ``keras`` module already imported, or None when
+    none is (then TF 2.16+, which requires Keras 3, means Keras 3). An unparseable TF version
+    gives None.
+    """
+    release = _tf.release(tf_version).release
+    legacy = environ.get("TF_USE_LEGACY_KERAS")
+    if len(release) < 2 or release[:2] < (2, 16) or legacy in LEGACY_KERAS:
+        return None
+    if keras_version is not None and not keras_version.startswith("3."):
+        return None  # TensorFlow routes tf.keras to the Keras 2.x it finds
+    keras = f"Keras {keras_version}" if keras_version else "Keras 3"
+    if legacy is None:
+        why = "without TF_USE_LEGACY_KERAS=1"
+    else:
+        accepted = ", ".join(LEGACY_KERAS)
+        why = f"TF_USE_LEGACY_KERAS={legacy!r} is not one it accepts: {accepted}"
+    return (
+        f"tf.keras is {keras} (TensorFlow {tf_version}, {why}), whose Model.fit cannot train "
+        "with MultiWorkerMirroredStrategy: the first fit fails with 'ValueError: Attempt to "
+        f"convert a value (PerReplica:{{...}}) with an unsupported type' ({KERAS3_ISSUE}; "
+        "stock TensorFlow fails the same way). To use fit, take TensorFlow's way back to "
+        f"Keras 2: pip install tf_keras~={release[0]}.{release[1]} and set "
+        "TF_USE_LEGACY_KERAS=1 before TensorFlow is imported. Custom training loops "
+        "(strategy.run in a tf.function) are unaffected"
+    )
+
+
+def imported_keras_version() -> Optional[str]:
+    """The version of the ``keras`` module if one is imported; None if not. Imports nothing."""
+    version = getattr(sys.modules.get("keras"), "__version__", None)
+    return version if isinstance(version, str) else None
+
+
+def _warn_keras3(tf_version: str) -> None:
+    """:func:`keras3_warning` on this process, logged once per process."""
+    global _keras_warned
+    message = keras3_warning(tf_version, os.environ, imported_keras_version())
+    with _lock:
+        if message is None or _keras_warned:
+            return
+        _keras_warned = True
+    logger.warning("%s", message)
+
+
 def _log(report: Report, setting: Setting, workers: Sequence[str]) -> None:
     """One WARNING per fallback, then the choice at INFO."""
     where = f"across {', '.join(workers)}"
@@ -309,6 +372,10 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     :class:`MissingWorkersError` (a ``TimeoutError``) naming it, on every worker.
     Such a call does not count: calling again on every worker (or restarting the
     missing one) meets again.
+
+    Where ``tf.keras`` is Keras 3 (:func:`keras3_warning`), whose ``fit`` cannot train
+    with this strategy, it logs one WARNING (once per process, not per call) with
+    TensorFlow's way back to Keras 2; nothing is raised.
     """
     require_tf2()
     req = request(communication)
@@ -322,9 +389,13 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     if chosen.remedy:
         nccl.apply_remedy(chosen.remedy, workers)
     strategy = build_multiworker_strategy(tf, report.backend, kwargs)
+    _warn_keras3(tf.__version__)
     set_last_report(report)
-    _watchdog.watch(stall_settings, report)
+    place = stalls.on_worker(
+        tf, [str(address) for address in req.cluster.workers], req.cluster.task
+    )
+    _watchdog.watch(stall_settings, report, strategy, place)
     timeout = getattr(kwargs.get("communication_options"), "timeout_seconds", None)
     if timeout:
-        _watchdog.report_collective_timeouts(timeout, report)
+        _watchdog.report_collective_timeouts(timeout, report, strategy, place)
     return strategy
