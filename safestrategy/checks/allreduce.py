@@ -308,12 +308,20 @@ def _placeholder(tf: Any) -> Any:
 
 
 def graph_race(
-    tf: Any, era: str, strategy: Any, devices: Sequence[str], sizes: Sequence[int], config: Any
+    tf: Any,
+    era: str,
+    strategy: Any,
+    devices: Sequence[str],
+    sizes: Sequence[int],
+    config: Any,
+    timed: bool = True,
 ) -> Race:
     """Graph mode: ``strategy`` (built in the default graph, which this builds in too)
-    all-reducing replica-local variables of element counts ``sizes``, in a session with
-    ``config``. The session fetches both ends of every result: fetching only a
-    ``tf.group`` of them timed 32 MB in 0.3 ms on TF 1.15 (they did not all run)."""
+    all-reducing replica-local tensors of element counts ``sizes``, in a session with
+    ``config``: variables when the race is ``timed`` (so a run times the all-reduce, not
+    the fill), else the fills themselves (a check: no variables to initialise). The
+    session fetches both ends of every result: fetching only a ``tf.group`` of them timed
+    32 MB in 0.3 ms on TF 1.15 (they did not all run)."""
 
     inputs = []  # outside the strategy's scope: plain variables, not mirrored ones
     for replica, device in enumerate(devices):
@@ -322,10 +330,10 @@ def graph_race(
             # of its size, which cost TF 1.15 ~0.5 s for 32 MB
             value = _placeholder(tf)(float(replica + 1), [])
             fill = [tf.fill([size], value) for size in sizes]
-            inputs.append([tf.Variable(value, trainable=False) for value in fill])
+            inputs.append([tf.Variable(each, trainable=False) for each in fill] if timed else fill)
 
     def values_for(replica: int) -> List[Any]:
-        return [variable.value() for variable in inputs[replica]]
+        return [tensor.value() if timed else tensor for tensor in inputs[replica]]
 
     reduced = graph_batch_all_reduce(tf, era, strategy, values_for)
     per_replica = list(zip(*reduced))
@@ -337,7 +345,8 @@ def graph_race(
     initialize = getattr(tf, "global_variables_initializer", None)
     initialize = initialize or tf.compat.v1.global_variables_initializer
     running = session(config=config)
-    running.run(initialize())
+    if timed:
+        running.run(initialize())
 
     def values(fetched: Any) -> Values:
         return [(t[0].device, v.tolist()) for t, v in zip(per_replica, fetched)]
@@ -354,11 +363,13 @@ def race(
     config: Any = None,
     timeout: Optional[float] = None,
     inputs: Optional[Sequence[Sequence[Any]]] = None,
+    timed: bool = True,
 ) -> Race:
     """Backend ``name``'s :class:`Race` over ``devices`` on a batch of ``sizes``, built in
     a fresh thread (``name`` None: stock ``MirroredStrategy(devices)``, for benchmarks).
     ``config``: the session config in graph mode (None: TF2 eager, on ``inputs`` when
-    given); ``timeout`` bounds a ``collective`` backend's ops."""
+    given); ``timeout`` bounds a ``collective`` backend's ops; ``timed`` False: it only
+    checks (graph mode then holds its inputs in no variables)."""
 
     def strategy() -> Any:
         ops = None if name is None else build_cross_device_ops(tf, era, name, devices, timeout)
@@ -368,7 +379,7 @@ def race(
         if config is None:
             return eager_race(tf, strategy(), inputs or payload(tf, devices, sizes))
         with tf.Graph().as_default():
-            return graph_race(tf, era, strategy(), devices, sizes, config)
+            return graph_race(tf, era, strategy(), devices, sizes, config, timed)
 
     return in_fresh_thread(build)
 
@@ -423,7 +434,7 @@ def check_values(
     """Every replica's result of backend ``name``'s smoke all-reduce over ``devices``
     (``PlacementError`` if one is elsewhere than asked): what :func:`smoke_check` judges,
     and what the probe process replies."""
-    ready = race(tf, era, devices, name, [VECTOR_SIZE], config, timeout)
+    ready = race(tf, era, devices, name, [VECTOR_SIZE], config, timeout, timed=False)
     try:
         return checked(ready, devices, config is None)
     finally:
