@@ -21,6 +21,10 @@ ENV_COMMUNICATION = "SAFESTRATEGY_COMMUNICATION"
 ENV_STALL_TIMEOUT = "SAFESTRATEGY_STALL_TIMEOUT"
 ENV_STALL_ACTION = "SAFESTRATEGY_STALL_ACTION"
 ENV_PAYLOAD = "SAFESTRATEGY_PAYLOAD_MB"
+#: Set by ``python -m safestrategy run`` for its child (see :mod:`safestrategy._rundir`).
+ENV_RUN_DIR = "SAFESTRATEGY_RUN_DIR"
+ENV_RESTART = "SAFESTRATEGY_RESTART"
+ENV_RUN_PARENT = "SAFESTRATEGY_RUN_PARENT"
 #: TensorFlow's own variable naming the workers: read and validated by
 #: :mod:`safestrategy.multiworker.cluster`; here only its name (its presence picks the CLI's view).
 ENV_TF_CONFIG = "TF_CONFIG"

@@ -19,6 +19,7 @@ ends the process with :data:`EXIT_CODE`.
 
 import contextlib
 import fnmatch
+import itertools
 import logging
 import os
 import sys
@@ -28,7 +29,7 @@ import traceback
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import _env
+from . import _env, _rundir
 from .backends import BACKEND_NAMES, COLLECTIVE, COMMUNICATION_NAMES, NCCL, get_backend
 from .checks import probe, stalls
 from .checks.nccl import REMEDIES
@@ -418,12 +419,13 @@ def _sample(me: int) -> Tuple[Dict[int, Tuple[Any, str]], Dict[int, Any]]:
 def _run() -> None:
     me = threading.get_ident()
     state: Dict[int, Watched] = {}
-    while True:
+    for sample in itertools.count(1):
         settings = _settings
         if settings is None or settings.timeout is None:
             return  # turned off; watch() starts a new thread when it is turned on
         time.sleep(interval(settings.timeout))
         seen, frames = _sample(me)
+        _rundir.heartbeat(sample, inside=bool(seen))  # under `run` only: it judges silence
         state, events = advance(state, seen, time.monotonic(), settings.timeout)
         for event in events:
             try:

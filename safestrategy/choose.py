@@ -12,7 +12,18 @@ all three log.
 """
 
 import logging
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (
+    Callable,
+    Collection,
+    Dict,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from ._devices import Device
 from ._env import ENV_BACKEND, Setting
@@ -137,19 +148,45 @@ def _auto_choice(results: List[CandidateResult], time: Optional[Timer]) -> Decis
 
 
 def _warm(
-    remembered: Decision, check: Check
-) -> Tuple[Optional[Decision], Optional[CandidateResult]]:
-    """Remembered timings: only the winner is checked again. Its result either confirms
-    the remembered decision (everything else marked cached) or is returned to reuse."""
+    remembered: Decision, check: Check, recorded: Collection[str] = ()
+) -> Tuple[Optional[Decision], Dict[str, CandidateResult]]:
+    """Remembered timings: only the winner is checked again, and its result confirms the
+    remembered decision (everything else marked cached). Where the winner has a record of
+    trouble during training (``recorded``: a relaunch after a stall or a crash), the next
+    candidates by the remembered timings are checked in turn, timing nothing, and the
+    first that passes wins. Otherwise: None, and the results checked, to reuse."""
+    timed = sorted(
+        (r for r in remembered.results if r.status == OK and r.ms is not None), key=lambda r: r.ms
+    )
+    order = [remembered.backend] if remembered.backend is not None else []
+    if remembered.backend in recorded:
+        order += [r.name for r in timed if r.name not in order]
+    checked: Dict[str, CandidateResult] = {}
+    for name in order:
+        result = checked[name] = check(name)
+        if result.status == OK:
+            break
+        if name not in recorded:  # it fails now for another reason: decide afresh
+            return None, checked
+    else:
+        return None, checked
     winner = remembered.backend
-    result = check(winner) if winner is not None else None
-    if result is None or result.status != OK:
-        return None, result
+    reason = remembered.reason
+    if name != winner:
+        reason = (
+            f"next fastest by the cached timings, {_ms(remembered_ms(remembered, name))}, "
+            f"after {winner} {first_line(checked[str(winner)].reason)}"
+        )
     results = tuple(
-        result._replace(ms=r.ms) if r.name == winner else r._replace(cached=True)
+        checked[r.name]._replace(ms=r.ms) if r.name in checked else r._replace(cached=True)
         for r in remembered.results
     )
-    return Decision(winner, remembered.reason, results, warm=True), None
+    return Decision(name, reason, results, warm=True), {}
+
+
+def remembered_ms(decision: Decision, name: str) -> float:
+    """``name``'s remembered median ms in ``decision``."""
+    return next(float(r.ms) for r in decision.results if r.name == name and r.ms is not None)
 
 
 def decide(
@@ -161,6 +198,7 @@ def decide(
     *,
     race: bool = True,
     why: Optional[Why] = None,
+    recorded: Collection[str] = (),
 ) -> Decision:
     """The decision, calling ``check(name)`` for smoke checks and ``time(names)`` to time.
 
@@ -174,11 +212,9 @@ def decide(
     racing = race and setting.mode == "auto"
     known: Dict[str, CandidateResult] = {}
     if racing and remembered is not None:
-        warm, failed = _warm(remembered, check)
+        warm, known = _warm(remembered, check, recorded)
         if warm is not None:
             return warm
-        if failed is not None:
-            known[failed.name] = failed
     results: List[CandidateResult] = []
     chosen = None
     for candidate in plan(setting, unavailable):

@@ -54,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
         "each candidate is run for real and its sums checked.",
         epilog=f"backends, in auto order:\n{backends}\n\n"
         "subcommands:\n  records            list (--forget: forget) the stall records on this "
-        "machine, one-machine and multi-worker alike\n\n"
+        "machine, one-machine and multi-worker alike\n"
+        "  run -- COMMAND     run a training, relaunching it on the next backend when an "
+        "all-reduce stalls or crashes it (POSIX)\n\n"
         f"environment: {ENV_BACKEND} (same values as --backend), "
         f"{ENV_TIMEOUT} (seconds, default {DEFAULT_TIMEOUT:g}), "
         f"{ENV_CACHE} (on/off), {ENV_CACHE_DIR}, {ENV_NCCL_REMEDIES} (on/off)",
@@ -224,6 +226,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["records"]:
         return _records(argv[1:])
+    if argv[:1] == ["run"]:  # here: the supervisor needs none of the checks' machinery
+        from . import run
+
+        return run.main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     benchmark = args.benchmark or bool(args.plot)

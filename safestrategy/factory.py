@@ -13,7 +13,7 @@ import platform as _platform
 import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from . import _env, _machine, _tf, _watchdog, choose
+from . import _env, _machine, _rundir, _tf, _watchdog, choose
 from ._devices import Device, parse_devices, require_existing
 from ._env import Setting, resolve_backend, resolve_stall
 from .backends import build_cross_device_ops, build_strategy, check_kwargs
@@ -266,6 +266,7 @@ def make_mirrored_strategy(
         place = stalls.place_for(tf, report, request.nccl.cache)
     set_last_report(report)
     _watchdog.watch(stall_settings, report, strategy, place)
+    _rundir.decision(stalls.decision_entry(report, place, stall_settings.timeout))
     return strategy
 
 

@@ -54,20 +54,33 @@ class CandidateResult(NamedTuple):
 
 
 class Stall(NamedTuple):
-    """A stall recorded during an earlier training on these devices (see the watchdog)."""
+    """Trouble recorded during an earlier training on these devices: a stall (the
+    watchdog, or ``run`` killing a silent child) or a crash (``run``: an all-reduce death)."""
 
     backend: str
-    seconds: float  #: how long the stuck call had run when it was called a stall
-    when: str  #: ISO 8601 local time the stall fired
-    #: The NCCL remedy in use when it stalled (``{}``: none), so the next one is tried next.
+    #: a stall: how long the stuck call had run when it was called one; a crash: how long
+    #: that launch trained
+    seconds: float
+    when: str  #: ISO 8601 local time it was recorded
+    #: The NCCL remedy in use then (``{}``: none), so the next one is tried next.
     remedy: Mapping[str, str] = {}
+    kind: str = "stall"  #: "stall" or "crash"
+    cause: str = ""  #: a crash: what ended it (a signal, the error's first line)
+
+    def happened(self) -> str:
+        """What happened, as reasons say it (without the date's time of day: ``when[:10]``)."""
+        if self.kind == "crash":
+            return f"crashed during training on {self.when[:10]} ({self.cause})"
+        return f"stalled during training on {self.when[:10]} after {self.seconds:g} s"
 
     def line(self) -> str:
         """One human-readable line, as the CLI prints it."""
         remedy = "".join(f", with {name}={value}" for name, value in self.remedy.items())
-        return f"  {self.backend:<18} stalled during training on {self.when} after " + (
-            f"{self.seconds:g} s{remedy}"
-        )
+        if self.kind == "crash":
+            what = f"crashed during training on {self.when} ({self.cause})"
+        else:
+            what = f"stalled during training on {self.when} after {self.seconds:g} s"
+        return f"  {self.backend:<18} {what}{remedy}"
 
     def to_dict(self) -> Dict[str, Any]:
         data = self._asdict()

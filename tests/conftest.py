@@ -9,8 +9,10 @@ with :func:`session_config`.
 
 import importlib.util
 import os
+import queue
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,17 @@ def all_reduced(tf, strategy):
 
     inputs = allreduce.payload(tf, strategy.extended.worker_devices, [allreduce.VECTOR_SIZE])
     return allreduce.eager_race(tf, strategy, inputs).first()
+
+
+def read_line(stream, within, waiting_for):
+    """The next line of ``stream``, or the test fails after ``within`` seconds saying what it
+    waited for (a reader thread: a pipe's ``readline`` has no timeout of its own)."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=within)
+    except queue.Empty:
+        pytest.fail(f"no line within {within} s: waited for {waiting_for}")
 
 
 def session_config(tf, n=LOGICAL_CPUS):

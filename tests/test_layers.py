@@ -19,6 +19,7 @@ LAYERS = {
         "safestrategy.__main__",
         "safestrategy.cli",
         "safestrategy._benchmark",
+        "safestrategy.run",
         "safestrategy.multiworker.cli",
     },
     "factories": {
@@ -47,6 +48,7 @@ LAYERS = {
         "safestrategy._devices",
         "safestrategy._env",
         "safestrategy._machine",
+        "safestrategy._rundir",
         "safestrategy._tf",
         "safestrategy.backends",
         "safestrategy.report",

@@ -8,11 +8,9 @@ the probe process's own hygiene (``_worker.connect``) is the real code.
 """
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -20,7 +18,7 @@ import pytest
 import safestrategy
 from safestrategy.checks import probe as _probe
 
-from .conftest import FAKE_WORKER, GPUS, ROOT
+from .conftest import FAKE_WORKER, GPUS, ROOT, read_line
 
 NCCL_ONLY = {"backend": "nccl"}
 
@@ -198,17 +196,6 @@ except KeyboardInterrupt:  # a notebook kernel lives on after Ctrl-C
     print("interrupted", flush=True)
     time.sleep(600)
 """
-
-
-def read_line(stream, within, waiting_for):
-    """The next line of ``stream``, or the test fails after ``within`` seconds saying what it
-    waited for (a reader thread: a pipe's ``readline`` has no timeout of its own)."""
-    lines = queue.Queue()
-    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=within)
-    except queue.Empty:
-        pytest.fail(f"no line within {within} s from the caller: waited for {waiting_for}")
 
 
 #: Starts the command after it with SIGINT ignored, as ``cmd &`` in a script or ``nohup``

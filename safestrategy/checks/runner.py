@@ -290,7 +290,9 @@ def decide(
         stored = None if opts.refresh else _cache.read(directory, timing.KIND, key)
         cached = timing.remembered(stored)
     runner.racing = setting.mode == "auto" and cached is None
-    decision = choose.decide(setting, check, runner.time_all, runner.unavailable(), cached)
+    decision = choose.decide(
+        setting, check, runner.time_all, runner.unavailable(), cached, recorded=set(runner.stalled)
+    )
     if runner.aborted:
         logger.debug("this process's collectives were aborted: nothing of it is cached")
     elif key and decision.timed and decision.backend is not None:

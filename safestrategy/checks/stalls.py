@@ -68,6 +68,33 @@ def place_for(tf: Any, report: Report, cache: bool = True) -> Optional[Place]:
     return on_machine(tf, report.devices)
 
 
+def decision_entry(
+    report: Report, place: Optional[Place], stall_timeout: Optional[float]
+) -> Dict[str, Any]:
+    """What a factory tells ``python -m safestrategy run`` of a strategy it built (the run
+    directory's ``decision-<pid>.json``): enough to write its record without TensorFlow."""
+    chosen = next((c for c in report.candidates if c.name == report.backend), None)
+    return {
+        "backend": report.backend,
+        "devices": list(report.devices),
+        "mode": report.mode,
+        "task": report.task,
+        "tf_version": report.tf_version,
+        "remedy": dict(chosen.remedy) if chosen is not None else {},
+        "place": None if place is None else {"kind": place.kind, "key": dict(place.key)},
+        "read": place is not None and place.read,
+        "stall_timeout": stall_timeout,
+    }
+
+
+def place_of(entry: Mapping[str, Any]) -> Optional[Place]:
+    """The place a decision entry (:func:`decision_entry`) names, or None."""
+    place = entry.get("place")
+    if not isinstance(place, dict) or place.get("kind") not in KINDS:
+        return None
+    return Place(place["kind"], dict(place.get("key") or {}), bool(entry.get("read")))
+
+
 def on_worker(tf: Any, cluster: Sequence[str], task: str) -> Optional[Place]:
     """A multi-worker worker's place: the cluster (every worker's address, in order) and
     this task; None with the cache off."""
@@ -99,12 +126,31 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def record(place: Place, backend: str, seconds: float, remedy: Mapping[str, str]) -> None:
-    """Record that ``backend`` stalled for ``seconds`` at ``place`` (with its remedy)."""
+def record(
+    place: Place,
+    backend: str,
+    seconds: float,
+    remedy: Mapping[str, str],
+    kind: str = "stall",
+    cause: str = "",
+) -> None:
+    """Record that ``backend`` stalled for ``seconds`` at ``place`` (with its remedy), or
+    (``kind`` "crash") that a launch on it died of ``cause`` after ``seconds``: the same
+    entry, the latest record for a backend wins."""
     where = directory()
     if where is not None:
-        value = Stall(backend, round(seconds, 1), _now(), dict(remedy))
+        value = Stall(backend, round(seconds, 1), _now(), dict(remedy), kind, cause)
         _cache.write(where, place.kind, {**place.key, "backend": backend}, value.to_dict())
+
+
+def read(place: Place, backend: str) -> Optional[Stall]:
+    """The record of ``backend`` at ``place``, if there is one."""
+    where = directory()
+    value = _cache.read(where, place.kind, {**place.key, "backend": backend}) if where else None
+    try:
+        return Stall(**value) if value is not None else None
+    except TypeError:
+        return None
 
 
 def withdraw(place: Place, backend: str) -> None:
@@ -161,10 +207,7 @@ def recorded(
 
 def reason(stall: Stall, devices: Sequence[str]) -> str:
     """Why a backend with a stall record counts as failed, and how to re-allow it."""
-    return (
-        f"stalled during training on {stall.when[:10]} after {stall.seconds:g} s "
-        f"(`{refresh_command(devices)}` re-allows it)"
-    )
+    return f"{stall.happened()} (`{refresh_command(devices)}` re-allows it)"
 
 
 def verdict(

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from .. import _machine, _tf, _watchdog, choose
+from .. import _machine, _rundir, _tf, _watchdog, choose
 from .._env import (
     ENV_NCCL_REMEDIES,
     Setting,
@@ -395,6 +395,7 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
         tf, [str(address) for address in req.cluster.workers], req.cluster.task
     )
     _watchdog.watch(stall_settings, report, strategy, place)
+    _rundir.decision(stalls.decision_entry(report, place, stall_settings.timeout))
     timeout = getattr(kwargs.get("communication_options"), "timeout_seconds", None)
     if timeout:
         _watchdog.report_collective_timeouts(timeout, report, strategy, place)

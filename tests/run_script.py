@@ -1,0 +1,94 @@
+"""A training for ``python -m safestrategy run``'s tests (tests/test_run.py).
+
+    python tests/run_script.py SCENARIO
+
+A Keras ``fit`` of 3 epochs on two logical CPUs with ``make_mirrored_strategy`` and
+``BackupAndRestore`` (a relaunch resumes after the last finished epoch); a layer
+calls ``tf.py_function`` so that a step can be made to misbehave. Trouble is
+injected on the first launch only (``SAFESTRATEGY_RESTART`` is 0), in epoch 2:
+
+- ``stall``: a step blocks (a hung all-reduce, as far as anyone can tell);
+- ``always-stall``: every launch's step blocks;
+- ``crash``: a step fails with an NCCL error;
+- ``starve``: a step holds the GIL (``sleep`` through ``ctypes.PyDLL``), so the
+  watchdog's thread cannot run, and neither can its heartbeat;
+- ``user``: the script's own ``ValueError`` before any training;
+- ``teardown``: training ends, then the process aborts.
+
+The watched part starts after the step is compiled, so a loaded machine's slow
+compile is never a stall. Prints ``BACKEND <name>`` and ``EPOCHS <n run>``.
+"""
+
+import ctypes
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import tensorflow as tf
+
+import safestrategy
+from safestrategy import _tf
+
+SCENARIO = sys.argv[1]
+FIRST = os.environ.get("SAFESTRATEGY_RESTART") == "0"
+T = os.environ.pop("RUN_SCRIPT_STALL_TIMEOUT", "3")
+BACKUP = os.environ["RUN_SCRIPT_BACKUP"]
+DEVICES = ["/cpu:0", "/cpu:1"]
+_tf.configure_logical_cpus(tf, 2)
+trouble = {"armed": False}
+
+
+def misbehave(x):
+    if not trouble["armed"]:
+        return x
+    trouble["armed"] = False
+    if SCENARIO in ("stall", "always-stall"):
+        time.sleep(3600)
+    if SCENARIO == "crash":
+        raise RuntimeError("ncclUnhandledCudaError: Call to CUDA function failed (fake)")
+    if SCENARIO == "starve":
+        time.sleep(2.0)  # inside the step long enough for a heartbeat to say so
+        ctypes.PyDLL(None).sleep(3600)  # holds the GIL
+    return x
+
+
+class Troubled(tf.keras.layers.Layer):
+    def call(self, x):
+        y = tf.py_function(misbehave, [x], tf.float32)
+        y.set_shape(x.shape)
+        return y
+
+
+class Arm(tf.keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs += 1
+        if epoch == 1 and (FIRST or SCENARIO == "always-stall"):
+            trouble["armed"] = True
+
+
+if SCENARIO == "user":
+    raise ValueError("the learning rate must be positive (the script's own error)")
+os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = "off"  # compile first, unwatched
+strategy = safestrategy.make_mirrored_strategy(DEVICES)
+with strategy.scope():
+    model = tf.keras.Sequential([tf.keras.Input((4,)), Troubled(), tf.keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+model.train_on_batch(x[:8], y[:8])  # the step is traced and compiled here, unwatched
+os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = T
+safestrategy.make_mirrored_strategy(DEVICES)  # the same decision, now watched
+print("BACKEND", safestrategy.last_report().backend, flush=True)
+arm = Arm()
+backup = tf.keras.callbacks.BackupAndRestore(BACKUP)
+model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[backup, arm])
+print("EPOCHS", arm.epochs, flush=True)
+if SCENARIO == "teardown" and FIRST:
+    time.sleep(2 * min(5.0, float(T) / 5) + 1)  # the heartbeat has said "outside" since
+    os.abort()

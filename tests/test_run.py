@@ -1,0 +1,279 @@
+"""``python -m safestrategy run``: the pure table (:func:`safestrategy.run.judge`), the run
+directory, and real relaunches of a real Keras training (tests/run_script.py)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from safestrategy import _rundir, run
+from safestrategy.checks import stalls
+from safestrategy.report import Stall
+
+from .conftest import ROOT, needs_tf, read_line, run_python
+
+PLACE = {
+    "kind": stalls.KIND,
+    "key": {"machine": "m", "devices": ["/device:CPU:0", "/device:CPU:1"]},
+}
+HERE = {"backend": "nccl", "devices": ["/device:GPU:0", "/device:GPU:1"], "mode": "auto"}
+
+
+def decided(**fields):
+    return {**HERE, "place": PLACE, "read": True, "remedy": {}, **fields}
+
+
+def launch(decisions=(), beats=None, error="", fault=""):
+    return _rundir.Launch(list(decisions), beats, error, fault)
+
+
+def no_record(place, backend):
+    return None
+
+
+def a_record(place, backend):
+    return Stall(backend, 600.0, "2026-12-02T10:00:00+00:00")
+
+
+def test_a_recorded_stall_is_relaunched_and_an_unread_one_is_not():
+    stalled = run.Ended(75, 700.0)
+    verdict = run.judge(stalled, launch([decided()]), a_record)
+    assert (verdict.relaunch, verdict.code, verdict.record) == (True, 75, None)
+    assert (
+        verdict.why
+        == "training stalled on nccl after 600 s (recorded); the next decision avoids it"
+    )
+    for entry, why in (
+        (decided(mode="forced", read=False, place=None), "a forced backend"),
+        (decided(devices=["/device:GPU:0"], read=False, place=None), "one device"),
+        (decided(read=False, place=None), "your own cross_device_ops, or the cache off"),
+    ):
+        verdict = run.judge(stalled, launch([entry]), a_record)
+        assert not verdict.relaunch and verdict.code == 75 and why in verdict.why
+    unknown = run.judge(stalled, launch([decided()]), no_record)  # the watchdog could not tell
+    assert not unknown.relaunch and "could not tell which strategy" in unknown.why
+
+
+def test_an_allreduce_death_inside_a_tf_call_is_a_crash_record_and_a_relaunch():
+    for returncode in (-6, 134, -11, 135):  # SIGABRT, SIGSEGV: as a signal or from a shell
+        verdict = run.judge(
+            run.Ended(returncode, 42.0), launch([decided()], "17 inside"), no_record
+        )
+        assert verdict.relaunch and verdict.record.kind == "crash"
+        assert verdict.record.cause.startswith("killed by SIG") and verdict.record.seconds == 42.0
+        assert verdict.code == run.exit_code(returncode)
+    error = "InternalError: ncclUnhandledCudaError: Call to CUDA function failed."
+    verdict = run.judge(run.Ended(1, 9.0), launch([decided()], "3 inside", error), no_record)
+    assert verdict.relaunch and verdict.record.cause == error and verdict.code == 1
+
+
+def test_what_no_record_can_cure_is_not_relaunched():
+    cases = {
+        "teardown": (run.Ended(-6, 5.0), launch([decided()], _rundir.FINISHED)),
+        "outside a call": (run.Ended(-6, 5.0), launch([decided()], "9 outside")),
+        "before any factory": (run.Ended(1, 2.0), launch([], None, "ImportError: no tf")),
+        "the user's error": (run.Ended(1, 2.0), launch([decided()], "4 inside", "ValueError: x")),
+        "ambiguous": (run.Ended(-6, 5.0), launch([decided(), decided(backend="ring")], "2 inside")),
+    }
+    for what, (ended, left) in cases.items():
+        verdict = run.judge(ended, left, a_record)
+        assert not verdict.relaunch and verdict.record is None, what
+        assert verdict.code == run.exit_code(ended.returncode), what
+    assert run.NOT_CURABLE in run.judge(*cases["the user's error"], a_record).why
+
+
+def test_a_signal_to_run_a_silent_child_and_a_gone_peer():
+    signalled = run.judge(
+        run.Ended(-15, 3.0, signalled=signal.SIGTERM), launch([decided()]), a_record
+    )
+    assert (signalled.relaunch, signalled.code) == (False, 143)
+    silent = run.judge(
+        run.Ended(-9, 30.0, starved=True), launch([decided()], "8 inside"), no_record
+    )
+    assert silent.relaunch and silent.code == 75 and silent.record.kind == "stall"
+    worker = decided(
+        task="worker:1", place={"kind": stalls.MULTIWORKER_KIND, "key": {}}, read=False
+    )
+    gone = "UnavailableError: Collective ops is aborted by: task /job:worker/task:0 is down"
+    peer = run.judge(run.Ended(1, 9.0), launch([worker], "5 inside", gone), no_record)
+    assert peer.relaunch and peer.record is None and "a peer is gone" in peer.why
+
+
+def test_run_exits_2_on_windows_with_one_line(monkeypatch, capsys):
+    from safestrategy import _machine
+
+    monkeypatch.setattr(_machine, "system", lambda: "Windows")
+    assert run.main(["--", sys.executable, "-c", "pass"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("safestrategy run: POSIX only in 0.4")
+
+
+CHILD_FILES = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from safestrategy import _rundir
+os.environ.get("SAFESTRATEGY_RUN_DIR") or sys.exit("no run dir")
+_rundir.decision({{"backend": "reduce_to_cpu", "devices": ["/device:CPU:0", "/device:CPU:1"]}})
+_rundir.heartbeat(7, inside=True)
+if sys.argv[1] == "grandchild":
+    import subprocess
+    code = "import sys; sys.path.insert(0, {root!r}); from safestrategy import _rundir; "
+    subprocess.run([sys.executable, "-c", code + "_rundir.heartbeat(99, True)"])
+raise ValueError("the last words")
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_the_child_leaves_its_decision_heartbeat_and_error_and_a_grandchild_writes_nothing(
+    tmp_path,
+):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD_FILES.format(root=str(ROOT)))
+    env = {"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"), "SAFESTRATEGY_STALL_TIMEOUT": "off"}
+    done = run_python(
+        "-m",
+        "safestrategy",
+        "run",
+        "--",
+        sys.executable,
+        str(script),
+        "grandchild",
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    (launch_dir,) = (tmp_path / "cache" / "runs").glob("*/launch-0")
+    left = _rundir.read(str(launch_dir))
+    assert [d["backend"] for d in left.decisions] == ["reduce_to_cpu"]
+    assert left.beats == _rundir.FINISHED or left.beats == "7 inside"
+    assert left.error.strip() == "ValueError: the last words"
+    assert len(list(launch_dir.glob("heartbeat-*"))) == 1  # the grandchild's 99 went nowhere
+    assert run.NOT_CURABLE in done.stderr and "launches:" in done.stderr
+
+
+# --- real relaunches of a real Keras training (TF2, two logical CPUs) ----------------------
+
+SCRIPT = str(ROOT / "tests" / "run_script.py")
+LISTED = "hierarchical_copy,reduce_to_cpu"
+
+
+def supervised(scenario, tmp_path, *options, timeout=300, **env):
+    settings = {
+        "SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"),
+        "SAFESTRATEGY_BACKEND": LISTED,
+        "RUN_SCRIPT_BACKUP": str(tmp_path / "backup"),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        **env,
+    }
+    args = ["-m", "safestrategy", "run", "--grace", "2", *options, "--"]
+    return run_python(*args, sys.executable, SCRIPT, scenario, env=settings, timeout=timeout)
+
+
+def backends(done):
+    return re.findall(r"^BACKEND (\S+)$", done.stdout, re.MULTILINE)
+
+
+def relaunched_once(scenario, tmp_path):
+    """``scenario`` under ``run``: trouble on the first launch, a clean second on the next
+    backend of the list; the finished run."""
+    done = supervised(scenario, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert backends(done) == ["hierarchical_copy", "reduce_to_cpu"]
+    return done
+
+
+@needs_tf
+def test_a_stalled_training_is_relaunched_on_the_next_backend_and_resumes(tf2, tmp_path):
+    done = relaunched_once("stall", tmp_path)
+    assert "safestrategy run: launch 2 of 4: training stalled on hierarchical_copy" in done.stderr
+    # BackupAndRestore: the relaunch runs only the epochs left after the last finished one
+    assert re.findall(r"^EPOCHS (\d+)$", done.stdout, re.MULTILINE) == ["2"]
+
+
+@needs_tf
+def test_an_nccl_error_is_a_crash_record_and_the_relaunch_takes_another_backend(tf2, tmp_path):
+    done = relaunched_once("crash", tmp_path)
+    assert "training crashed on hierarchical_copy" in done.stderr
+    listing = run_python(
+        "-m", "safestrategy", "records", env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache")}
+    )
+    assert "hierarchical_copy" in listing.stdout and "crashed during training" in listing.stdout
+
+
+@needs_tf
+def test_the_users_own_error_and_a_death_in_teardown_are_not_relaunched(tf2, tmp_path):
+    user = supervised("user", tmp_path)
+    assert user.returncode == 1 and "ValueError: the learning rate" in user.stderr
+    assert run.NOT_CURABLE in user.stderr and "launch 2" not in user.stderr
+    teardown = supervised("teardown", tmp_path / "teardown")
+    assert teardown.returncode == 134, teardown.stderr[-3000:]
+    assert backends(teardown) == ["hierarchical_copy"] and "launch 2" not in teardown.stderr
+
+
+@needs_tf
+def test_restarts_are_bounded(tf2, tmp_path):
+    done = supervised("always-stall", tmp_path, "--max-restarts", "1")
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert backends(done) == ["hierarchical_copy", "reduce_to_cpu"]
+    assert "the 1 restarts are spent" in done.stderr
+
+
+@needs_tf
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_a_starved_watchdog_is_killed_recorded_and_relaunched(tf2, tmp_path):
+    done = relaunched_once("starve", tmp_path)
+    assert "training went silent on hierarchical_copy (recorded)" in done.stderr
+
+
+ORPHANS = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print("GRANDCHILD", child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_sigterm_to_run_ends_the_whole_group_and_exits_143(tmp_path):
+    script = tmp_path / "orphans.py"
+    script.write_text(ORPHANS)
+    env = dict(os.environ, SAFESTRATEGY_CACHE_DIR=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "safestrategy",
+            "run",
+            "--grace",
+            "1",
+            "--",
+            sys.executable,
+            str(script),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        universal_newlines=True,
+    )  # run sets its own SIGTERM handler (it forwards it): nothing inherited matters
+    try:
+        grandchild = int(read_line(supervisor.stdout, 60, "the grandchild's pid").split()[1])
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=30) == 143
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(grandchild, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"grandchild {grandchild} (ignoring SIGTERM) outlived run")
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=30)
