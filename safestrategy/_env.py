@@ -25,6 +25,7 @@ ENV_PAYLOAD = "SAFESTRATEGY_PAYLOAD_MB"
 ENV_RUN_DIR = "SAFESTRATEGY_RUN_DIR"
 ENV_RESTART = "SAFESTRATEGY_RESTART"
 ENV_RUN_PARENT = "SAFESTRATEGY_RUN_PARENT"
+ENV_RUN_GRACE = "SAFESTRATEGY_RUN_GRACE"
 #: TensorFlow's own variable naming the workers: read and validated by
 #: :mod:`safestrategy.multiworker.cluster`; here only its name (its presence picks the CLI's view).
 ENV_TF_CONFIG = "TF_CONFIG"
@@ -237,6 +238,15 @@ def resolve_stall(environ: Optional[Mapping[str, str]] = None) -> StallSettings:
             f"is not valid; valid values are {', '.join(STALL_ACTIONS)}"
         )
     return StallSettings(timeout, action)
+
+
+def run_grace(environ: Optional[Mapping[str, str]] = None) -> float:
+    """``run``'s ``--grace`` as it told its child (0 outside ``run`` or when unreadable)."""
+    value = _from_env(os.environ if environ is None else environ, ENV_RUN_GRACE)
+    try:
+        return max(float(value), 0.0) if value is not None else 0.0
+    except ValueError:
+        return 0.0
 
 
 def xla_auto_jit_flag(environ: Optional[Mapping[str, str]] = None) -> bool:

@@ -242,14 +242,17 @@ def _recorded(report: Report, place: Optional[stalls.Place]) -> Optional[str]:
     """What the ERROR says of the record it writes (None: none is written)."""
     if place is None:
         return None
-    if place.read:
-        return (
-            f"The stall is recorded: the next automatic choice on these devices skips "
-            f"{report.backend} (`{stalls.refresh_command(report.devices)}` re-allows it)."
+    if place.kind == stalls.MULTIWORKER_KIND:
+        listed = (
+            f"The stall is recorded for this worker (`{RECORDS_COMMAND}` lists it, "
+            f"`{RECORDS_COMMAND} --forget` forgets it)"
         )
+        if report.backend == NCCL:
+            return f"{listed}: the workers' next agreed choice avoids {report.backend}."
+        return f"{listed}; RING, the last resort, is not avoided by a record."
     return (
-        f"The stall is recorded for this worker (`{RECORDS_COMMAND}` lists it, "
-        f"`{RECORDS_COMMAND} --forget` forgets it)."
+        f"The stall is recorded: the next automatic choice on these devices skips "
+        f"{report.backend} (`{stalls.refresh_command(report.devices)}` re-allows it)."
     )
 
 

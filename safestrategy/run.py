@@ -111,8 +111,6 @@ def _unreadable(entry: Mapping[str, object]) -> str:
         return "a forced backend"
     if len(entry.get("devices") or ()) < 2:  # type: ignore[arg-type]
         return "one device"
-    if entry.get("task") is not None:
-        return "multi-worker records are not read by its choice yet"
     return "your own cross_device_ops, or the cache off"
 
 
@@ -382,6 +380,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 _env.ENV_RESTART: str(number),
                 _env.ENV_RUN_DIR: where,
                 _env.ENV_RUN_PARENT: str(os.getpid()),
+                _env.ENV_RUN_GRACE: repr(args.grace),
             }
         )
         try:

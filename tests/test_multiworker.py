@@ -303,8 +303,11 @@ def fake_mw(monkeypatch):
     return lambda behaviour: monkeypatch.setenv("FAKE_MW", behaviour)
 
 
-def decide_threads(n, communication=None, timeout=3.0, facts=GPU_FACTS, absent=(), settings=None):
-    """Every worker's ``multiworker.decide`` as a thread: {task: Report or exception}."""
+def decide_threads(
+    n, communication=None, timeout=3.0, facts=GPU_FACTS, absent=(), settings=None, facts_of=None
+):
+    """Every worker's ``multiworker.decide`` as a thread: {task: Report or exception}
+    (``facts_of(i)``: worker i's own facts, else ``facts`` for all)."""
     configs = tf_configs(n)
     results = {}
 
@@ -317,7 +320,7 @@ def decide_threads(n, communication=None, timeout=3.0, facts=GPU_FACTS, absent=(
                 timeout,
                 True,
             )
-            results[task] = multiworker.decide(request, facts)
+            results[task] = multiworker.decide(request, facts_of(i) if facts_of else facts)
         except Exception as error:
             results[task] = error
 
@@ -331,6 +334,27 @@ def decide_threads(n, communication=None, timeout=3.0, facts=GPU_FACTS, absent=(
     assert not any(thread.is_alive() for thread in threads)
     assert no_children_left()
     return results
+
+
+def test_a_record_on_one_worker_is_every_workers_and_ring_is_never_failed_by_one():
+    stalled = {"backend": "nccl", "happened": "stalled during training on 2026-12-02 after 600 s"}
+    ring = {"backend": "ring", "happened": "stalled during training on 2026-12-02 after 600 s"}
+    hellos = {"worker:0": {"records": []}, "worker:1": {"records": [stalled, ring]}}
+    assert agree.recorded(hellos) == {"nccl": f"worker:1 recorded it: {stalled['happened']}"}
+
+
+def test_workers_agree_to_demote_a_communication_one_of_them_recorded(fake_mw):
+    """Worker 1's hello carries its NCCL record: both fail NCCL's first attempt on it and
+    retry with the remedy not tried yet, together."""
+    fake_mw("ok")
+    stalled = {"backend": "nccl", "happened": "stalled during training on 2026-12-02 after 600 s"}
+    results = decide_threads(
+        2, facts_of=lambda i: {**GPU_FACTS, "records": [stalled] if i == 1 else []}
+    )
+    for report in results.values():
+        nccl = report.candidates[0]
+        assert (report.backend, nccl.remedy) == ("nccl", {"NCCL_P2P_DISABLE": "1"})
+        assert "worker:1 recorded it: stalled during training" in nccl.reason
 
 
 def test_nccl_passing_on_every_worker_is_chosen_by_every_worker(fake_mw):
@@ -679,3 +703,17 @@ def test_the_factory_warns_about_keras_3_where_tf_keras_is_keras_3(tf2, monkeypa
     major, minor = (int(part) for part in child["tf"].split(".")[:2])
     if (major, minor) >= (2, 16) and (child["keras"] or "3.").startswith("3."):
         assert f"tf_keras~={major}.{minor}" in keras_warnings[0]  # TF 2.21: tf_keras~=2.21
+
+
+def test_under_run_a_relaunched_workers_hello_waits_for_peers_still_stuck(monkeypatch):
+    """After a relaunch a peer may still be stuck until its watchdog (stall timeout) and its
+    run (--grace) free it: the hello waits that long on top of the usual timeout."""
+    request = multiworker.Request(
+        _cluster.parse_tf_config(tf_configs(2)[0]), resolve_communication(None), 3.0, True
+    )
+    monkeypatch.setenv("SAFESTRATEGY_STALL_TIMEOUT", "10")
+    monkeypatch.setenv("SAFESTRATEGY_RUN_GRACE", "5")
+    monkeypatch.setenv("SAFESTRATEGY_RESTART", "0")
+    assert multiworker._hello_wait(request) == 3.0  # the first launch: as ever
+    monkeypatch.setenv("SAFESTRATEGY_RESTART", "1")
+    assert multiworker._hello_wait(request) == 18.0

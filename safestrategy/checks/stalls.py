@@ -50,7 +50,7 @@ class Place(NamedTuple):
     kind: str  #: :data:`KIND` or :data:`MULTIWORKER_KIND`
     key: Mapping[str, Any]
     #: A next decision reads records here (one machine: ``auto`` and lists skip a backend
-    #: with a record); multi-worker records are listed, not read, in 0.3.
+    #: with a record; multi-worker: every worker's hello carries its records, from 0.4).
     read: bool
     devices: Tuple[str, ...] = ()  #: one machine: the devices (for the re-allow command)
 
@@ -97,7 +97,8 @@ def place_of(entry: Mapping[str, Any]) -> Optional[Place]:
 
 def on_worker(tf: Any, cluster: Sequence[str], task: str) -> Optional[Place]:
     """A multi-worker worker's place: the cluster (every worker's address, in order) and
-    this task; None with the cache off."""
+    this task; None with the cache off. Read: the workers' choice avoids a communication
+    any of them recorded (RING, the last resort, excepted)."""
     if directory() is None:
         return None
     key = {

@@ -23,6 +23,10 @@ RING_REASON = (
     "connections between the workers, which cannot hang on NCCL's P2P/SHM/driver faults"
 )
 
+#: The communications a record fails: RING, the last resort, is never failed by one (a
+#: record against it is reported, not obeyed).
+READ = (NCCL,)
+
 #: Facts each worker sends in the first round (its "hello").
 Hello = Mapping[str, Any]
 
@@ -58,6 +62,18 @@ def gate(setting: Setting, hellos: Mapping[str, Hello]) -> Optional[CandidateRes
     if kernels:
         return CandidateResult(NCCL, FAILED, f"{NO_KERNELS} (on {', '.join(kernels)})")
     return None
+
+
+def recorded(hellos: Mapping[str, Hello]) -> Dict[str, str]:
+    """The communications some worker has a record of trouble for (only those in
+    :data:`READ`), and what it says: the choice every worker makes avoids them together."""
+    found: Dict[str, str] = {}
+    for task, hello in sorted(hellos.items()):
+        for record in hello.get("records") or ():
+            name = record.get("backend")
+            if name in READ and name not in found:
+                found[name] = f"{task} recorded it: {record.get('happened')}"
+    return found
 
 
 def expected_replicas(hellos: Mapping[str, Hello]) -> int:

@@ -21,9 +21,9 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from .. import _machine, _rundir, _tf, _watchdog, choose
+from .. import _env, _machine, _rundir, _tf, _watchdog, choose
 from .._env import (
     ENV_NCCL_REMEDIES,
     Setting,
@@ -127,9 +127,30 @@ def _free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
+def records(tf: Any, workers: Cluster) -> List[Dict[str, str]]:
+    """This worker's records of trouble during multi-worker training on this cluster, as
+    its hello carries them: what each communication's record says happened."""
+    place = stalls.on_worker(tf, [str(address) for address in workers.workers], workers.task)
+    found = [(name, stalls.read(place, name)) for name in agree.READ] if place else []
+    return [{"backend": name, "happened": stall.happened()} for name, stall in found if stall]
+
+
+def _hello_wait(request: Request) -> float:
+    """How long the hello waits for the peers: the probe timeout; under ``run`` after a
+    relaunch also a peer's stall timeout and ``--grace``, so that the first worker back
+    does not give up before its peers are freed by their watchdog and relaunched."""
+    restart = os.environ.get(_env.ENV_RESTART, "").strip()
+    if not restart.isdigit() or restart == "0":
+        return request.timeout
+    stall = resolve_stall().timeout or 0.0
+    grace = _env.run_grace()
+    return request.timeout + stall + grace
+
+
 def _hello(request: Request, facts: Mapping[str, Any]) -> Dict[str, Any]:
     """What this worker tells the others first."""
     return {
+        "records": list(facts.get("records") or ()),
         "cluster": [f"{address.task}={address}" for address in request.cluster.workers],
         "setting": [request.setting.mode, list(request.setting.names)],
         "gpus": facts.get("gpus"),
@@ -201,6 +222,10 @@ def _nccl_check(
         return agree.combine(verdicts, remedy)
 
     first, *remedies = agree.remedy_attempts(hellos)
+    recorded = agree.recorded(hellos).get(NCCL)
+    if recorded is not None:  # a worker's record: its untried remedy first, then RING
+        failed = CandidateResult(NCCL, FAILED, recorded, cached=True)
+        return nccl.with_remedies(failed, remedies, together, " on every worker")
     result = together(first)
     if not agree.remediable(result):
         remedies = []
@@ -220,7 +245,8 @@ def decide(
     process this opened is closed when it returns or raises.
     """
     if facts is None:
-        facts = local_facts(_tf.import_tf())
+        tf = _tf.import_tf()
+        facts = {**local_facts(tf), "records": records(tf, request.cluster)}
     workers, setting = request.cluster, request.setting
     with _lock:
         session = _sessions.get(workers.task, 0) + 1
@@ -228,7 +254,10 @@ def decide(
     try:
         with Rendezvous(workers.me, workers.peers, session) as rendezvous:
             hellos = rendezvous.exchange(
-                "hello", _hello(request, facts), request.timeout, "waiting for the other workers"
+                "hello",
+                _hello(request, facts),
+                _hello_wait(request),
+                "waiting for the other workers",
             )
             met = True
             problem = agree.disagreement(hellos)
