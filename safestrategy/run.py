@@ -167,12 +167,12 @@ def judge(
         return Verdict(True, code, f"stalled on {backend}", why)
     crash = _crash_signal(ended.returncode)
     inside = launch.beats is not None and launch.beats.endswith("inside")
+    if entry.get("task") is not None and any(word in launch.error for word in PEER_GONE):
+        why = f"a peer is gone ({launch.error.splitlines()[0][:200]}); relaunched, nothing recorded"
+        return Verdict(True, code, "peer gone", why)
     if crash is not None and inside:
         cause = f"killed by {_signal_name(crash)}"
-    elif ended.returncode != 0 and any(word in launch.error for word in ALLREDUCE_ERRORS):
-        if entry.get("task") is not None and any(word in launch.error for word in PEER_GONE):
-            why = f"a peer is gone ({launch.error[:200]}); relaunched, nothing recorded"
-            return Verdict(True, code, "peer gone", why)
+    elif any(word in launch.error for word in ALLREDUCE_ERRORS):
         cause = launch.error.splitlines()[0][:200]
     else:
         return Verdict(False, code, ending, NOT_CURABLE)
