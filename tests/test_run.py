@@ -277,3 +277,14 @@ def test_sigterm_to_run_ends_the_whole_group_and_exits_143(tmp_path):
     finally:
         supervisor.kill()
         supervisor.wait(timeout=30)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_run_never_imports_tensorflow(tmp_path):
+    code = (
+        "import sys; from safestrategy import cli; "
+        "code = cli.main(['run', '--', sys.executable, '-c', 'pass']); "
+        "print('TF', 'tensorflow' in sys.modules, code)"
+    )
+    done = run_python("-c", code, env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path)}, timeout=120)
+    assert "TF False 0" in done.stdout, done.stderr

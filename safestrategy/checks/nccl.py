@@ -28,18 +28,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from typing import (
-    Any,
-    Callable,
-    Collection,
-    Dict,
-    List,
-    Mapping,
-    NamedTuple,
-    Optional,
-    Sequence,
-    Tuple,
-)
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _cache, _env, _machine, _tf
 from .._devices import Device, parse_device
@@ -216,9 +205,9 @@ def _setting(env: Mapping[str, str]) -> str:
     return ", ".join(f"{name}={value}" for name, value in env.items())
 
 
-def untried(after: Mapping[str, str], taken: Collection[str]) -> List[Dict[str, str]]:
+def untried(after: Mapping[str, str], taken: Mapping[str, str]) -> List[Dict[str, str]]:
     """NCCL's remedies not tried yet, in order: those after the one ``after`` names (``{}``:
-    from the first), without any whose variable is ``taken`` (the user's own)."""
+    from the first), without any whose variable is ``taken`` (the user's own: name -> value)."""
     names = [name for name, _ in REMEDIES]
     tried = [names.index(name) for name in after if name in names]
     start = max(tried) + 1 if tried else 0
