@@ -13,7 +13,12 @@ injected on the first launch only (``SAFESTRATEGY_RESTART`` is 0), in epoch 2:
 - ``starve``: a step holds the GIL (``sleep`` through ``ctypes.PyDLL``), so the
   watchdog's thread cannot run, and neither can its heartbeat;
 - ``user``: the script's own ``ValueError`` before any training;
-- ``teardown``: training ends, then the process aborts.
+- ``teardown``: training ends, then the process aborts;
+- ``checkpoint``: ``stall``, resumed the way keras-io's multi-GPU guide does it: a
+  ``ModelCheckpoint`` each epoch, the latest loaded at start, ``fit(initial_epoch=)``;
+- ``manager``: a custom training loop that stalls at its 5th step on the first launch,
+  saving a ``tf.train.CheckpointManager`` checkpoint every step and restoring the
+  latest at start. Prints ``STEPS <n run>``.
 
 The watched part starts after the step is compiled, so a loaded machine's slow
 compile is never a stall. Prints ``BACKEND <name>`` and ``EPOCHS <n run>``.
@@ -45,7 +50,7 @@ def misbehave(x):
     if not trouble["armed"]:
         return x
     trouble["armed"] = False
-    if SCENARIO in ("stall", "always-stall"):
+    if SCENARIO in ("stall", "always-stall", "checkpoint", "manager"):
         time.sleep(3600)
     if SCENARIO == "crash":
         raise RuntimeError("ncclUnhandledCudaError: Call to CUDA function failed (fake)")
@@ -86,8 +91,45 @@ os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = T
 safestrategy.make_mirrored_strategy(DEVICES)  # the same decision, now watched
 print("BACKEND", safestrategy.last_report().backend, flush=True)
 arm = Arm()
-backup = tf.keras.callbacks.BackupAndRestore(BACKUP)
-model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[backup, arm])
+if SCENARIO == "checkpoint":  # keras-io's multi-GPU guide: ModelCheckpoint, restore at start
+    os.makedirs(BACKUP, exist_ok=True)
+    saved = sorted(name for name in os.listdir(BACKUP) if name.endswith(".weights.h5"))
+    first_epoch = 0
+    if saved:
+        model.load_weights(os.path.join(BACKUP, saved[-1]))
+        first_epoch = int(saved[-1].split(".")[0].split("-")[1])
+    path = os.path.join(BACKUP, "epoch-{epoch}.weights.h5")
+    save = tf.keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+    model.fit(
+        x, y, batch_size=8, epochs=3, initial_epoch=first_epoch, verbose=0, callbacks=[save, arm]
+    )
+elif SCENARIO == "manager":  # a custom loop with tf.train.CheckpointManager
+    with strategy.scope():
+        step_count = tf.Variable(0, dtype=tf.int64, trainable=False)
+    checkpoint = tf.train.Checkpoint(model=model, step=step_count)
+    manager = tf.train.CheckpointManager(checkpoint, BACKUP, max_to_keep=2)
+    checkpoint.restore(manager.latest_checkpoint)
+
+    @tf.function
+    def train_step(batch):
+        def replica(batch):
+            return model(batch)
+
+        return strategy.run(replica, args=(batch,))
+
+    train_step(tf.ones((8, 4)))  # traced before the watched steps
+    done = 0
+    while int(step_count.numpy()) < 8:
+        if FIRST and int(step_count.numpy()) == 4:
+            trouble["armed"] = True
+        train_step(tf.ones((8, 4)))
+        step_count.assign_add(1)
+        manager.save()
+        done += 1
+    print("STEPS", done, flush=True)
+else:
+    backup = tf.keras.callbacks.BackupAndRestore(BACKUP)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[backup, arm])
 print("EPOCHS", arm.epochs, flush=True)
 if SCENARIO == "teardown" and FIRST:
     time.sleep(2 * min(5.0, float(T) / 5) + 1)  # the heartbeat has said "outside" since

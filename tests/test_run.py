@@ -195,6 +195,19 @@ def test_a_stalled_training_is_relaunched_on_the_next_backend_and_resumes(tf2, t
 
 
 @needs_tf
+def test_resuming_from_model_checkpoint_as_keras_ios_guide_does(tf2, tmp_path):
+    done = relaunched_once("checkpoint", tmp_path)
+    assert re.findall(r"^EPOCHS (\d+)$", done.stdout, re.MULTILINE) == ["2"]
+
+
+@needs_tf
+def test_resuming_a_custom_loop_from_its_checkpoint_manager(tf2, tmp_path):
+    done = relaunched_once("manager", tmp_path)
+    # launch 1 stalled at its 5th step: launch 2 restores after step 4 and runs the other 4
+    assert re.findall(r"^STEPS (\d+)$", done.stdout, re.MULTILINE) == ["4"]
+
+
+@needs_tf
 def test_an_nccl_error_is_a_crash_record_and_the_relaunch_takes_another_backend(tf2, tmp_path):
     done = relaunched_once("crash", tmp_path)
     assert "training crashed on hierarchical_copy" in done.stderr
