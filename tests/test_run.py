@@ -301,3 +301,36 @@ def test_run_never_imports_tensorflow(tmp_path):
     )
     done = run_python("-c", code, env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path)}, timeout=120)
     assert "TF False 0" in done.stdout, done.stderr
+
+
+TF1_TRAINING = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import tensorflow as tf
+import safestrategy
+with tf.Graph().as_default():
+    strategy = safestrategy.make_mirrored_strategy(["/cpu:0", "/cpu:1"])
+    print("BACKEND", safestrategy.last_report().backend, flush=True)
+    first = os.environ.get("SAFESTRATEGY_RESTART") == "0"
+    step = tf.py_func(lambda: time.sleep(3600 if first else 0) or 1.0, [], tf.float64)
+    with tf.Session(config=tf.ConfigProto(device_count={{"CPU": 2}})) as session:
+        session.run(step)
+"""
+
+
+@needs_tf
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_a_tf1_session_run_training_is_relaunched_on_the_next_backend(tf1, tmp_path):
+    script = tmp_path / "tf1_training.py"
+    script.write_text(TF1_TRAINING.format(root=str(ROOT)))
+    env = {
+        "SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"),
+        "SAFESTRATEGY_BACKEND": LISTED,
+        "SAFESTRATEGY_STALL_TIMEOUT": "5",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    args = ["-m", "safestrategy", "run", "--grace", "2", "--", sys.executable, str(script)]
+    done = run_python(*args, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert backends(done) == ["hierarchical_copy", "reduce_to_cpu"]
+    assert "training stalled on hierarchical_copy" in done.stderr
