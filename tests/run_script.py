@@ -11,7 +11,8 @@ injected on the first launch only (``SAFESTRATEGY_RESTART`` is 0), in epoch 2:
 - ``always-stall``: every launch's step blocks;
 - ``crash``: a step fails with an NCCL error;
 - ``starve``: a step holds the GIL (``sleep`` through ``ctypes.PyDLL``), so the
-  watchdog's thread cannot run, and neither can its heartbeat;
+  watchdog's thread cannot run, and neither can its heartbeat; the first launch also
+  leaves a (fake) probe process and a grandchild that ignores SIGTERM (``ORPHANS <pids>``);
 - ``user``: the script's own ``ValueError`` before any training;
 - ``teardown``: training ends, then the process aborts;
 - ``checkpoint``: ``stall``, resumed the way keras-io's multi-GPU guide does it: a
@@ -90,6 +91,18 @@ model.train_on_batch(x[:8], y[:8])  # the step is traced and compiled here, unwa
 os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = T
 safestrategy.make_mirrored_strategy(DEVICES)  # the same decision, now watched
 print("BACKEND", safestrategy.last_report().backend, flush=True)
+if SCENARIO == "starve" and FIRST:
+    import subprocess
+
+    from safestrategy.checks import probe
+
+    ignores = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    grandchild = subprocess.Popen([sys.executable, "-c", ignores])
+    fake = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_worker.py")
+    probe.CHILD_COMMAND = [sys.executable, fake]
+    os.environ["FAKE_WORKER"] = "hang"
+    process, _ = probe.start({"job": "mirrored", "devices": DEVICES}, 60)  # left open
+    print("ORPHANS", grandchild.pid, process.process.pid, flush=True)
 arm = Arm()
 if SCENARIO == "checkpoint":  # keras-io's multi-GPU guide: ModelCheckpoint, restore at start
     os.makedirs(BACKUP, exist_ok=True)

@@ -239,7 +239,21 @@ def test_restarts_are_bounded(tf2, tmp_path):
 @pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
 def test_a_starved_watchdog_is_killed_recorded_and_relaunched(tf2, tmp_path):
     done = relaunched_once("starve", tmp_path)
+    (orphans,) = re.findall(r"^ORPHANS (\d+) (\d+)$", done.stdout, re.MULTILINE)
+    for pid in map(int, orphans):  # the grandchild that ignores SIGTERM, the probe process
+        assert gone(pid), f"{pid} outlived the killed launch"
     assert "training went silent on hierarchical_copy (recorded)" in done.stderr
+
+
+def gone(pid, within=10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 ORPHANS = """
@@ -278,15 +292,7 @@ def test_sigterm_to_run_ends_the_whole_group_and_exits_143(tmp_path):
         grandchild = int(read_line(supervisor.stdout, 60, "the grandchild's pid").split()[1])
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=30) == 143
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(grandchild, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail(f"grandchild {grandchild} (ignoring SIGTERM) outlived run")
+        assert gone(grandchild), f"grandchild {grandchild} (ignoring SIGTERM) outlived run"
     finally:
         supervisor.kill()
         supervisor.wait(timeout=30)
