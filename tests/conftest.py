@@ -13,6 +13,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,18 @@ def all_reduced(tf, strategy):
 
     inputs = allreduce.payload(tf, strategy.extended.worker_devices, [allreduce.VECTOR_SIZE])
     return allreduce.eager_race(tf, strategy, inputs).first()
+
+
+def gone(pid, within=10.0):
+    """True once process ``pid`` no longer exists (polled, at most ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def read_line(stream, within, waiting_for):

@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -14,7 +13,7 @@ from safestrategy import _rundir, run
 from safestrategy.checks import stalls
 from safestrategy.report import Stall
 
-from .conftest import ROOT, needs_tf, read_line, run_python
+from .conftest import ROOT, gone, needs_tf, read_line, run_python
 
 PLACE = {
     "kind": stalls.KIND,
@@ -243,17 +242,6 @@ def test_a_starved_watchdog_is_killed_recorded_and_relaunched(tf2, tmp_path):
     for pid in map(int, orphans):  # the grandchild that ignores SIGTERM, the probe process
         assert gone(pid), f"{pid} outlived the killed launch"
     assert "training went silent on hierarchical_copy (recorded)" in done.stderr
-
-
-def gone(pid, within=10.0):
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 ORPHANS = """

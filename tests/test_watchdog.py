@@ -3,10 +3,8 @@
 
 import json
 import logging
-import os
 import re
 import sys
-import time
 import types
 
 import pytest
@@ -18,7 +16,7 @@ from safestrategy._watchdog import INPUT, OP, SESSION, STEP, advance, classify, 
 from safestrategy.checks import stalls as _stalls
 from safestrategy.report import Report
 
-from .conftest import ROOT, needs_tf, run_python
+from .conftest import ROOT, gone, needs_tf, run_python
 
 SITE = "/venv/lib/python3.11/site-packages"
 TF221 = f"{SITE}/tensorflow/python"
@@ -370,17 +368,6 @@ def logged(stderr, level):
     """(time, first line) of each record at ``level``, from the script's log format."""
     found = re.findall(rf"^(\d+\.\d+) {level} (.*)$", stderr, re.MULTILINE)
     return [(float(when), text) for when, text in found]
-
-
-def gone(pid, within=10.0):
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @needs_tf
