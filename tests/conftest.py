@@ -8,8 +8,10 @@ with :func:`session_config`.
 """
 
 import importlib.util
+import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -170,6 +172,28 @@ def read_line(stream, within, waiting_for):
 def session_config(tf, n=LOGICAL_CPUS):
     """A TF1 session config with ``n`` CPU devices."""
     return tf.ConfigProto(device_count={"CPU": n})
+
+
+def free_ports(n):
+    """``n`` distinct ports free on 127.0.0.1 now."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def tf_configs(n, ports=None):
+    """``n`` workers' TF_CONFIG values on 127.0.0.1 (``ports``: their ports, else free ones)."""
+    ports = ports or free_ports(n)
+    workers = [f"127.0.0.1:{port}" for port in ports]
+    return [
+        json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
+        for i in range(n)
+    ]
 
 
 def run_python(*args, env=None, cwd=ROOT, timeout=600):

@@ -31,32 +31,11 @@ from safestrategy.multiworker.cluster import Address
 from safestrategy.multiworker.rendezvous import PROTOCOL, MissingWorkersError, Rendezvous
 from safestrategy.report import CandidateResult
 
-from .conftest import ROOT, run_python
+from .conftest import ROOT, free_ports, run_python, tf_configs
 
 HERE = Path(__file__).resolve().parent
 FAKE_MW = str(HERE / "fake_mw_worker.py")
 GPU_FACTS = {"gpus": 2, "nccl_kernels": 1, "tf_version": "2.99.0"}
-
-
-def free_ports(n):
-    """``n`` distinct ports free on 127.0.0.1 now."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def tf_configs(n, ports=None):
-    ports = ports or free_ports(n)
-    workers = [f"127.0.0.1:{port}" for port in ports]
-    return [
-        json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
-        for i in range(n)
-    ]
 
 
 def no_children_left():
