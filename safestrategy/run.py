@@ -48,8 +48,19 @@ ALLREDUCE_ERRORS = (
     "Collective ops is aborted by",
     "NCCL error",
 )
-#: Multi-worker: the collectives were aborted because a peer is gone.
-PEER_GONE = ("is down", "check alive failed", "heartbeat", "coordination service")
+#: Multi-worker: the collectives were aborted because a peer is gone: TF's health check
+#: ("is down"), the coordination service (a peer "stopped sending heartbeats"), or the
+#: transport to a peer that died ("Socket closed" from a remote target, the coordination
+#: service's leader among them).
+PEER_GONE = (
+    "is down",
+    "check alive failed",
+    "heartbeat",
+    "coordination service",
+    "Socket closed",
+    "Connection reset by peer",
+    "failed to connect to all addresses",
+)
 #: Signals forwarded to the child's group (SIGINT as SIGINT, the others as SIGTERM).
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 NOT_CURABLE = "not an all-reduce failure: a relaunch would fail the same way"
@@ -102,6 +113,14 @@ def _crash_signal(returncode: int) -> Optional[int]:
     for number in CRASH_SIGNALS:
         if returncode in (-number, 128 + number):
             return int(number)
+    return None
+
+
+def _line_with(error: str, words: Sequence[str]) -> Optional[str]:
+    """The first line of ``error`` that holds one of ``words`` (to quote), or None."""
+    for line in error.splitlines():
+        if any(word in line for word in words):
+            return line.strip()[:200]
     return None
 
 
@@ -167,13 +186,14 @@ def judge(
         return Verdict(True, code, f"stalled on {backend}", why)
     crash = _crash_signal(ended.returncode)
     inside = launch.beats is not None and launch.beats.endswith("inside")
-    if entry.get("task") is not None and any(word in launch.error for word in PEER_GONE):
-        why = f"a peer is gone ({launch.error.splitlines()[0][:200]}); relaunched, nothing recorded"
-        return Verdict(True, code, "peer gone", why)
+    peer = _line_with(launch.error, PEER_GONE) if entry.get("task") is not None else None
+    if peer is not None:
+        return Verdict(True, code, "peer gone", f"a peer is gone ({peer}); nothing recorded")
+    allreduce = _line_with(launch.error, ALLREDUCE_ERRORS)
     if crash is not None and inside:
         cause = f"killed by {_signal_name(crash)}"
-    elif any(word in launch.error for word in ALLREDUCE_ERRORS):
-        cause = launch.error.splitlines()[0][:200]
+    elif allreduce is not None:
+        cause = allreduce
     else:
         return Verdict(False, code, ending, NOT_CURABLE)
     if not readable:

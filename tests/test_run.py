@@ -1,6 +1,7 @@
 """``python -m safestrategy run``: the pure table (:func:`safestrategy.run.judge`), the run
 directory, and real relaunches of a real Keras training (tests/run_script.py)."""
 
+import json
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ from safestrategy import _rundir, run
 from safestrategy.checks import stalls
 from safestrategy.report import Stall
 
-from .conftest import ROOT, gone, needs_tf, read_line, run_python
+from .conftest import ROOT, gone, needs_tf, read_line, run_python, tf_configs
 
 PLACE = {
     "kind": stalls.KIND,
@@ -97,9 +98,37 @@ def test_a_signal_to_run_a_silent_child_and_a_gone_peer():
     worker = decided(
         task="worker:1", place={"kind": stalls.MULTIWORKER_KIND, "key": {}}, read=False
     )
-    gone = "UnavailableError: Collective ops is aborted by: task /job:worker/task:0 is down"
-    peer = run.judge(run.Ended(1, 9.0), launch([worker], "5 inside", gone), no_record)
-    assert peer.relaunch and peer.record is None and "a peer is gone" in peer.why
+    for error, quoted in PEER_ERRORS:
+        peer = run.judge(run.Ended(1, 9.0), launch([worker], "5 inside", error), no_record)
+        assert (peer.relaunch, peer.record) == (True, None)
+        assert peer.why == f"a peer is gone ({quoted}); nothing recorded"
+    alone = run.judge(run.Ended(1, 9.0), launch([decided()], "5 inside", error), no_record)
+    assert alone.record is not None  # one machine: no peer to blame, the all-reduce crashed
+
+
+#: What TF 2.21 raised in the survivor when its peer aborted mid-step (the two-worker test
+#: below): the non-leader gone (the coordination service), the leader gone (the transport).
+PEER_ERRORS = [
+    (
+        "tensorflow.python.framework.errors_impl.UnavailableError: Graph execution error:\n\n"
+        "Detected at node CollectiveReduceV2 defined at (most recent call last):\n"
+        "Collective ops is aborted by: Error reported from /job:worker/task:1: The following "
+        "tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1\n",
+        "Collective ops is aborted by: Error reported from /job:worker/task:1: The following "
+        "tasks are unhealthy (stopped sending heartbeats):",
+    ),
+    (
+        "tensorflow.python.framework.errors_impl.UnavailableError: Graph execution error:\n\n"
+        "Collective ops is aborted by: Socket closed\nAdditional GRPC error information from "
+        "remote target /job:worker/replica:0/task:0 while calling "
+        "/tensorflow.WorkerService/RecvBuf:\n",
+        "Collective ops is aborted by: Socket closed",
+    ),
+    (
+        "UnavailableError: Collective ops is aborted by: task /job:worker/task:0 is down",
+        "UnavailableError: Collective ops is aborted by: task /job:worker/task:0 is down",
+    ),
+]
 
 
 def test_run_exits_2_on_windows_with_one_line(monkeypatch, capsys):
@@ -242,6 +271,84 @@ def test_a_starved_watchdog_is_killed_recorded_and_relaunched(tf2, tmp_path):
     for pid in map(int, orphans):  # the grandchild that ignores SIGTERM, the probe process
         assert gone(pid), f"{pid} outlived the killed launch"
     assert "training went silent on hierarchical_copy (recorded)" in done.stderr
+
+
+# --- two workers, one run each (tests/run_mw_worker.py) ------------------------------------
+
+MW_SCRIPT = str(ROOT / "tests" / "run_mw_worker.py")
+#: Seconds the test waits for both runs: two launches of two workers and their probe
+#: processes, a peer freed by TF within its stall timeout (15 s) at worst.
+MW_WAIT = 400
+
+
+def two_workers_under_run(dies, tmp_path):
+    """Worker ``dies`` aborts mid-step on the first launch; each worker under its own
+    ``run`` with its own cache (two machines): [(returncode, stdout, stderr)] by worker."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    env["SAFESTRATEGY_STALL_TIMEOUT"] = "15"  # the first step compiles while watched
+    runs = []
+    try:
+        for index, config in enumerate(tf_configs(2)):
+            cache = str(tmp_path / f"cache-{index}")
+            command = [sys.executable, "-m", "safestrategy", "run", "--grace", "5", "--"]
+            runs.append(
+                subprocess.Popen(
+                    [*command, sys.executable, MW_SCRIPT, str(dies)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    universal_newlines=True,
+                    env=dict(env, TF_CONFIG=config, SAFESTRATEGY_CACHE_DIR=cache),
+                    cwd=str(ROOT),
+                )
+            )
+        ended = [(r.communicate(timeout=MW_WAIT), r.returncode) for r in runs]
+    except subprocess.TimeoutExpired:
+        for process in runs:
+            process.kill()
+        tails = "\n---\n".join(p.communicate()[1][-4000:] for p in runs)
+        pytest.fail(f"a worker's run did not end within {MW_WAIT} s; their stderr:\n{tails}")
+    finally:
+        for process in runs:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    return [(code, out, err) for (out, err), code in ended]
+
+
+@needs_tf
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+@pytest.mark.parametrize("dies", [1, 0], ids=["a-worker-dies", "the-leader-dies"])
+def test_a_worker_that_aborts_mid_step_and_its_peer_meet_again_and_demote_nccl_together(
+    tf2, tmp_path, dies
+):
+    """NCCL chosen across two workers (the GPU seam, in the children); one aborts mid-step.
+    Its run records a crash on NCCL and relaunches it; its peer, whose all-reduce TF
+    aborted because the peer is gone, is relaunched with nothing recorded. Back together,
+    the dead worker's hello carries its record: both fail NCCL on it, retry it with the
+    remedy not tried yet, agree, train, and both runs exit 0."""
+    workers = two_workers_under_run(dies, tmp_path)
+    peer = 1 - dies
+    for index, (code, out, err) in enumerate(workers):
+        assert code == 0, f"worker {index}:\n{err[-4000:]}"
+        reports = [json.loads(line) for line in re.findall(r"^REPORT (.*)$", out, re.MULTILINE)]
+        first, second = reports  # two launches
+        assert first["backend"] == "nccl" and first["candidates"][0]["remedy"] == {}
+        nccl = second["candidates"][0]
+        assert (second["backend"], nccl["remedy"]) == ("nccl", {"NCCL_P2P_DISABLE": "1"})
+        assert f"worker:{dies} recorded it: crashed during training" in nccl["reason"]
+        assert re.findall(r"^TOTAL (\S+)$", out, re.MULTILINE) == ["18.0"]  # 6 steps of 1 + 2
+    assert (
+        "launch 2 of 4: training crashed on nccl (killed by SIGABRT) (recorded)"
+        in (workers[dies][2])
+    )
+    assert re.search(r"launch 2 of 4: a peer is gone \(.+\); nothing recorded", workers[peer][2])
+    listing = run_python(
+        "-m",
+        "safestrategy",
+        "records",
+        env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path / f"cache-{peer}")},
+    )
+    assert "nccl" not in listing.stdout, listing.stdout  # the peer recorded nothing
 
 
 ORPHANS = """

@@ -95,10 +95,11 @@ def place_of(entry: Mapping[str, Any]) -> Optional[Place]:
     return Place(place["kind"], dict(place.get("key") or {}), bool(entry.get("read")))
 
 
-def on_worker(tf: Any, cluster: Sequence[str], task: str) -> Optional[Place]:
+def on_worker(tf: Any, cluster: Sequence[str], task: str, read: bool = False) -> Optional[Place]:
     """A multi-worker worker's place: the cluster (every worker's address, in order) and
-    this task; None with the cache off. Read: the workers' choice avoids a communication
-    any of them recorded (RING, the last resort, excepted)."""
+    this task; None with the cache off. ``read``: whether the workers' next choice reads a
+    record of the strategy's communication (it avoids one any worker recorded, RING, the
+    last resort, excepted: the factory says which)."""
     if directory() is None:
         return None
     key = {
@@ -107,7 +108,7 @@ def on_worker(tf: Any, cluster: Sequence[str], task: str) -> Optional[Place]:
         "tf": tf.__version__,
         "build": _tf.build_info(tf),
     }
-    return Place(MULTIWORKER_KIND, {**key, "backend": None}, False)
+    return Place(MULTIWORKER_KIND, {**key, "backend": None}, read)
 
 
 def directory(cache: bool = True) -> Optional[str]:

@@ -420,9 +420,8 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     strategy = build_multiworker_strategy(tf, report.backend, kwargs)
     _warn_keras3(tf.__version__)
     set_last_report(report)
-    place = stalls.on_worker(
-        tf, [str(address) for address in req.cluster.workers], req.cluster.task
-    )
+    addresses = [str(address) for address in req.cluster.workers]
+    place = stalls.on_worker(tf, addresses, req.cluster.task, report.backend in agree.READ)
     _watchdog.watch(stall_settings, report, strategy, place)
     _rundir.decision(stalls.decision_entry(report, place, stall_settings.timeout))
     timeout = getattr(kwargs.get("communication_options"), "timeout_seconds", None)
