@@ -271,8 +271,7 @@ def supervise(
     last_beat, changed, kill_at, starved = None, time.monotonic(), None, False
     timeout = stall_timeout
     try:
-        while child.poll() is None:
-            time.sleep(poll)
+        while not _ended(child, poll):
             now = time.monotonic()
             beat = _beat(where, child.pid)
             if beat != last_beat:
@@ -293,6 +292,16 @@ def supervise(
         _kill_group(child.pid, signal.SIGKILL)  # whatever of the group is left (grandchildren)
         _background(terminal)
     return Ended(child.returncode, time.monotonic() - started, starved, got[0] if got else None)
+
+
+def _ended(child: "subprocess.Popen[bytes]", within: float) -> bool:
+    """Whether ``child`` ended, waiting up to ``within`` s for it (an exit is seen at once,
+    so a relaunch follows without a polling delay)."""
+    try:
+        child.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _foreground(pgid: int) -> Optional[int]:
