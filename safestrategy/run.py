@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -271,7 +272,8 @@ def supervise(
     last_beat, changed, kill_at, starved = None, time.monotonic(), None, False
     timeout = stall_timeout
     try:
-        while not _ended(child, poll):
+        ended = _waiter(child)
+        while not ended.wait(poll):
             now = time.monotonic()
             beat = _beat(where, child.pid)
             if beat != last_beat:
@@ -294,14 +296,18 @@ def supervise(
     return Ended(child.returncode, time.monotonic() - started, starved, got[0] if got else None)
 
 
-def _ended(child: "subprocess.Popen[bytes]", within: float) -> bool:
-    """Whether ``child`` ended, waiting up to ``within`` s for it (an exit is seen at once,
-    so a relaunch follows without a polling delay)."""
-    try:
-        child.wait(timeout=within)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
+def _waiter(child: "subprocess.Popen[bytes]") -> threading.Event:
+    """An event set the moment ``child`` ends (a thread blocked in its wait): the loop sees
+    an exit at once, so a relaunch follows with no polling delay, and wakes only to read
+    the heartbeat (``Popen.wait(timeout)`` would poll every 50 ms beside the training)."""
+    ended = threading.Event()
+
+    def wait() -> None:
+        child.wait()
+        ended.set()
+
+    threading.Thread(target=wait, name="safestrategy-run-wait", daemon=True).start()
+    return ended
 
 
 def _foreground(pgid: int) -> Optional[int]:
