@@ -196,6 +196,42 @@ def tf_configs(n, ports=None):
     ]
 
 
+def workers_together(commands, envs, within, what="a worker"):
+    """Start every command (``envs``: each one's environment added to this one's, with
+    the repository on PYTHONPATH) and wait for them all, each within ``within`` s:
+    [(returncode, stdout, stderr)] in order. On a timeout every one is killed and the
+    test fails with their stderr's tails (a hung worker's thread stacks among them)."""
+    base = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    processes, outputs = [], []
+    try:
+        for command, env in zip(commands, envs):
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    universal_newlines=True,
+                    env=dict(base, **env),
+                    cwd=str(ROOT),
+                )
+            )
+        for process in processes:
+            outputs.append(process.communicate(timeout=within))
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()
+        unread = processes[len(outputs) :]
+        stderr = [err for _, err in outputs] + [process.communicate()[1] for process in unread]
+        tails = "\n---\n".join(text[-6000:] for text in stderr)
+        pytest.fail(f"{what} did not end within {within} s; their stderr:\n{tails}")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs)]
+
+
 def run_python(*args, env=None, cwd=ROOT, timeout=600):
     """Run this interpreter with ``args`` (and ``env`` added) in a subprocess."""
     full_env = dict(os.environ)

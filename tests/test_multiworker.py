@@ -10,7 +10,6 @@ and, on TF2 legs, two real worker processes on 127.0.0.1 that train
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ from safestrategy.multiworker.cluster import Address
 from safestrategy.multiworker.rendezvous import PROTOCOL, MissingWorkersError, Rendezvous
 from safestrategy.report import CandidateResult
 
-from .conftest import ROOT, free_ports, run_python, tf_configs
+from .conftest import free_ports, run_python, tf_configs, workers_together
 
 HERE = Path(__file__).resolve().parent
 FAKE_MW = str(HERE / "fake_mw_worker.py")
@@ -584,37 +583,11 @@ def test_two_workers_agree_and_train_like_one_process(tf2):
     """Two real worker processes on 127.0.0.1 (see tests/mw_worker.py for the steps)."""
     from .mw_worker import WAIT, train
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    processes = []
-    try:
-        for config in tf_configs(2):
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE / "mw_worker.py")],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    universal_newlines=True,
-                    env=dict(env, TF_CONFIG=config),
-                    cwd=str(ROOT),
-                )
-            )
-        outputs = []
-        for process in processes:
-            outputs.append(process.communicate(timeout=WAIT))
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        unread = processes[len(outputs) :]
-        stderr = [err for _, err in outputs] + [process.communicate()[1] for process in unread]
-        tails = "\n---\n".join(text[-6000:] for text in stderr)
-        pytest.fail(f"a worker hung; the workers' stderr, with their threads' stacks:\n{tails}")
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
+    configs = tf_configs(2)
+    commands = [[sys.executable, str(HERE / "mw_worker.py")]] * len(configs)
+    ended = workers_together(commands, [{"TF_CONFIG": c} for c in configs], WAIT)
     results = []
-    for stdout, stderr in outputs:
+    for _, stdout, stderr in ended:
         lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
         assert lines, stderr[-3000:]
         results.append(json.loads(lines[0][len("RESULT ") :]))

@@ -14,7 +14,15 @@ from safestrategy import _rundir, run
 from safestrategy.checks import stalls
 from safestrategy.report import Stall
 
-from .conftest import ROOT, gone, needs_tf, read_line, run_python, tf_configs
+from .conftest import (
+    ROOT,
+    gone,
+    needs_tf,
+    read_line,
+    run_python,
+    tf_configs,
+    workers_together,
+)
 
 PLACE = {
     "kind": stalls.KIND,
@@ -284,35 +292,17 @@ MW_WAIT = 400
 def two_workers_under_run(dies, tmp_path):
     """Worker ``dies`` aborts mid-step on the first launch; each worker under its own
     ``run`` with its own cache (two machines): [(returncode, stdout, stderr)] by worker."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    env["SAFESTRATEGY_STALL_TIMEOUT"] = "15"  # the first step compiles while watched
-    runs = []
-    try:
-        for index, config in enumerate(tf_configs(2)):
-            cache = str(tmp_path / f"cache-{index}")
-            command = [sys.executable, "-m", "safestrategy", "run", "--grace", "5", "--"]
-            runs.append(
-                subprocess.Popen(
-                    [*command, sys.executable, MW_SCRIPT, str(dies)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    universal_newlines=True,
-                    env=dict(env, TF_CONFIG=config, SAFESTRATEGY_CACHE_DIR=cache),
-                    cwd=str(ROOT),
-                )
-            )
-        ended = [(r.communicate(timeout=MW_WAIT), r.returncode) for r in runs]
-    except subprocess.TimeoutExpired:
-        for process in runs:
-            process.kill()
-        tails = "\n---\n".join(p.communicate()[1][-4000:] for p in runs)
-        pytest.fail(f"a worker's run did not end within {MW_WAIT} s; their stderr:\n{tails}")
-    finally:
-        for process in runs:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-    return [(code, out, err) for (out, err), code in ended]
+    command = [sys.executable, "-m", "safestrategy", "run", "--grace", "5", "--"]
+    command += [sys.executable, MW_SCRIPT, str(dies)]
+    envs = [
+        {
+            "TF_CONFIG": config,
+            "SAFESTRATEGY_CACHE_DIR": str(tmp_path / f"cache-{index}"),
+            "SAFESTRATEGY_STALL_TIMEOUT": "15",  # the first step compiles while watched
+        }
+        for index, config in enumerate(tf_configs(2))
+    ]
+    return workers_together([command] * len(envs), envs, MW_WAIT, "a worker's run")
 
 
 @needs_tf
