@@ -190,12 +190,11 @@ def judge(
     peer = _line_with(launch.error, PEER_GONE) if entry.get("task") is not None else None
     if peer is not None:
         return Verdict(True, code, "peer gone", f"a peer is gone ({peer}); nothing recorded")
-    allreduce = _line_with(launch.error, ALLREDUCE_ERRORS)
     if crash is not None and inside:
-        cause = f"killed by {_signal_name(crash)}"
-    elif allreduce is not None:
-        cause = allreduce
+        cause: Optional[str] = f"killed by {_signal_name(crash)}"
     else:
+        cause = _line_with(launch.error, ALLREDUCE_ERRORS)
+    if cause is None:
         return Verdict(False, code, ending, NOT_CURABLE)
     if not readable:
         why = f"training crashed on {backend} ({cause}), and no record can help "

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensorflow as tf
 
 import safestrategy
+from safestrategy import _rundir
 from safestrategy.multiworker import factory as multiworker
 
 STEPS = 6
@@ -37,13 +38,10 @@ multiworker.local_facts = lambda tf: {**_real_facts(tf), "gpus": 1, "nccl_kernel
 
 
 def inside_a_call():
-    """Whether this process's heartbeat says a thread is inside a TF call now."""
-    path = os.path.join(os.environ["SAFESTRATEGY_RUN_DIR"], f"heartbeat-{os.getpid()}")
-    try:
-        with open(path) as stream:
-            return stream.read().strip().endswith("inside")
-    except OSError:
-        return False
+    """Whether this process's heartbeat says a thread is inside a TF call now (read as
+    ``run`` reads it)."""
+    beats = _rundir.read(os.environ["SAFESTRATEGY_RUN_DIR"]).beats
+    return beats is not None and beats.endswith("inside")
 
 
 def value(step):
