@@ -394,6 +394,35 @@ def test_run_never_imports_tensorflow(tmp_path):
     assert "TF False 0" in done.stdout, done.stderr
 
 
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+@pytest.mark.parametrize(
+    "settings, said, code",
+    [
+        ({}, [], 0),
+        (
+            {"SAFESTRATEGY_STALL_ACTION": "warn", "SAFESTRATEGY_CACHE": "off"},
+            ["=warn: a stalled training is not ended", "SAFESTRATEGY_CACHE=off: no record"],
+            0,
+        ),
+        ({"SAFESTRATEGY_STALL_TIMEOUT": "off"}, ["=off: no stall is seen"], 0),
+        ({"SAFESTRATEGY_STALL_TIMEOUT": "soon"}, ["error: 'soon' from the environment"], 2),
+    ],
+    ids=["defaults", "warn-and-cache-off", "stall-timeout-off", "a-bad-value"],
+)
+def test_what_run_cannot_do_under_the_users_settings_is_one_line_at_the_start(
+    tmp_path, settings, said, code
+):
+    env = {"SAFESTRATEGY_CACHE_DIR": str(tmp_path), **settings}
+    command = ["-m", "safestrategy", "run", "--", sys.executable, "-c", "print('CHILD')"]
+    done = run_python(*command, env=env, timeout=120)
+    assert done.returncode == code, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "launches:" not in line]
+    first = [line for line in lines if line.startswith("safestrategy run: ")][:1]
+    assert len(first) == (1 if said else 0), done.stderr
+    assert all(part in first[0] for part in said), done.stderr
+    assert ("CHILD" in done.stdout) == (code == 0)
+
+
 TF1_TRAINING = """
 import os, sys, time
 sys.path.insert(0, {root!r})
