@@ -1,12 +1,14 @@
 """``python -m safestrategy run``: the pure table (:func:`safestrategy.run.judge`), the run
 directory, and real relaunches of a real Keras training (tests/run_script.py)."""
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -349,30 +351,42 @@ print("GRANDCHILD", child.pid, flush=True)
 time.sleep(600)
 """
 
+#: A child that says which signal reached it. It sets the handling it relies on (a runner
+#: may start the tests with SIGINT ignored, and a child inherits that): SIGTERM is said
+#: and ends it, SIGINT is said and ignored, SIGHUP and SIGQUIT are only said.
+SIGNALS = """
+import os, signal, sys, time
+def say(number, frame):
+    print("GOT", signal.Signals(number).name, flush=True)
+    if number == signal.SIGTERM:
+        sys.exit(0)
+for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(number, say)
+print("CHILD", os.getpid(), flush=True)
+time.sleep(600)
+"""
 
-@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
-def test_sigterm_to_run_ends_the_whole_group_and_exits_143(tmp_path):
-    script = tmp_path / "orphans.py"
-    script.write_text(ORPHANS)
+
+def supervising(tmp_path, child, *options):
+    """``run [options] -- python <child>`` started, its output piped; run sets its own
+    handlers for the signals it forwards, so nothing it inherits matters."""
+    script = tmp_path / "child.py"
+    script.write_text(child)
     env = dict(os.environ, SAFESTRATEGY_CACHE_DIR=str(tmp_path / "cache"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    supervisor = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "safestrategy",
-            "run",
-            "--grace",
-            "1",
-            "--",
-            sys.executable,
-            str(script),
-        ],
+    command = [sys.executable, "-m", "safestrategy", "run", *options, "--"]
+    return subprocess.Popen(
+        [*command, sys.executable, str(script)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
         universal_newlines=True,
-    )  # run sets its own SIGTERM handler (it forwards it): nothing inherited matters
+    )
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_sigterm_to_run_ends_the_whole_group_and_exits_143(tmp_path):
+    supervisor = supervising(tmp_path, ORPHANS, "--grace", "1")
     try:
         grandchild = int(read_line(supervisor.stdout, 60, "the grandchild's pid").split()[1])
         supervisor.send_signal(signal.SIGTERM)
@@ -381,6 +395,96 @@ def test_sigterm_to_run_ends_the_whole_group_and_exits_143(tmp_path):
     finally:
         supervisor.kill()
         supervisor.wait(timeout=30)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+@pytest.mark.parametrize("sent, code", [(signal.SIGHUP, 129), (signal.SIGQUIT, 131)])
+def test_sighup_and_sigquit_to_run_reach_the_child_as_sigterm(tmp_path, sent, code):
+    supervisor = supervising(tmp_path, SIGNALS, "--grace", "60")
+    try:
+        read_line(supervisor.stdout, 60, "the child's pid")
+        supervisor.send_signal(sent)
+        assert read_line(supervisor.stdout, 30, "the forwarded signal") == "GOT SIGTERM\n"
+        assert supervisor.wait(timeout=30) == code
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=30)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_a_second_sigint_kills_a_child_that_ignores_the_first_at_once(tmp_path):
+    supervisor = supervising(tmp_path, SIGNALS, "--grace", "600")
+    try:
+        child = int(read_line(supervisor.stdout, 60, "the child's pid").split()[1])
+        supervisor.send_signal(signal.SIGINT)
+        assert read_line(supervisor.stdout, 30, "the forwarded SIGINT") == "GOT SIGINT\n"
+        assert not gone(child, within=1.0)  # it ignored the first, and --grace is 10 minutes
+        supervisor.send_signal(signal.SIGINT)
+        assert supervisor.wait(timeout=30) == 130
+        assert gone(child)
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=30)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_sigkilled_run_leaves_no_child_behind(tmp_path):
+    supervisor = supervising(tmp_path, SIGNALS)
+    try:
+        child = int(read_line(supervisor.stdout, 60, "the child's pid").split()[1])
+        supervisor.kill()  # run can forward nothing: the kernel ends its child
+        supervisor.wait(timeout=30)
+        assert gone(child), f"the child {child} outlived a SIGKILLed run"
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=30)
+
+
+#: In a terminal: the child reads a line (a background group would be stopped by SIGTTIN),
+#: and after run the shell's group has the terminal again.
+IN_A_TERMINAL = """
+import os, subprocess, sys
+child = ("import os; print('FOREGROUND', os.tcgetpgrp(0) == os.getpgrp(), os.getpgrp(), "
+         "flush=True); print('READ', input(), flush=True)")
+subprocess.call([sys.executable, "-m", "safestrategy", "run", "--", sys.executable, "-c", child])
+print("BACK", os.tcgetpgrp(0) == os.getpgrp(), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_in_a_terminal_the_child_has_the_foreground_and_the_shell_gets_it_back(tmp_path):
+    import pty
+    import select
+
+    env = dict(os.environ, SAFESTRATEGY_CACHE_DIR=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    pid, terminal = pty.fork()  # the shell: a session leader, the pty its terminal
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-c", IN_A_TERMINAL], env)
+    seen, groups = "", []
+    deadline = time.monotonic() + 60
+    try:
+        while not re.search(r"BACK \w+\r?\n", seen) and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 1.0)[0]:
+                try:
+                    seen += os.read(terminal, 4096).decode(errors="replace")
+                except OSError:  # the shell ended: the pty is closed
+                    break
+            said = re.search(r"FOREGROUND \w+ (\d+)\r?\n", seen)
+            if said and not groups:  # the child's group: killed at the end, whatever happened
+                groups = [int(said.group(1))]
+                os.write(terminal, b"a line\n")
+        assert "FOREGROUND True" in seen, seen
+        assert "READ a line" in seen, seen
+        assert "BACK True" in seen, seen
+    finally:
+        for group in groups:
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(terminal)
 
 
 @pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
