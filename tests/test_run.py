@@ -367,77 +367,64 @@ time.sleep(600)
 """
 
 
+@contextlib.contextmanager
 def supervising(tmp_path, child, *options):
-    """``run [options] -- python <child>`` started, its output piped; run sets its own
+    """``run [options] -- python <child>`` started, its output piped: yields it and the pid
+    the child printed first; killed at the end, whatever happened. run sets its own
     handlers for the signals it forwards, so nothing it inherits matters."""
     script = tmp_path / "child.py"
     script.write_text(child)
     env = dict(os.environ, SAFESTRATEGY_CACHE_DIR=str(tmp_path / "cache"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "safestrategy", "run", *options, "--"]
-    return subprocess.Popen(
+    supervisor = subprocess.Popen(
         [*command, sys.executable, str(script)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
         universal_newlines=True,
     )
+    try:
+        yield supervisor, int(read_line(supervisor.stdout, 60, "the child's pid").split()[1])
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=30)
 
 
 @pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
 def test_sigterm_to_run_ends_the_whole_group_and_exits_143(tmp_path):
-    supervisor = supervising(tmp_path, ORPHANS, "--grace", "1")
-    try:
-        grandchild = int(read_line(supervisor.stdout, 60, "the grandchild's pid").split()[1])
+    with supervising(tmp_path, ORPHANS, "--grace", "1") as (supervisor, grandchild):
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=30) == 143
         assert gone(grandchild), f"grandchild {grandchild} (ignoring SIGTERM) outlived run"
-    finally:
-        supervisor.kill()
-        supervisor.wait(timeout=30)
 
 
 @pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
 @pytest.mark.parametrize("sent, code", [(signal.SIGHUP, 129), (signal.SIGQUIT, 131)])
 def test_sighup_and_sigquit_to_run_reach_the_child_as_sigterm(tmp_path, sent, code):
-    supervisor = supervising(tmp_path, SIGNALS, "--grace", "60")
-    try:
-        read_line(supervisor.stdout, 60, "the child's pid")
+    with supervising(tmp_path, SIGNALS, "--grace", "60") as (supervisor, _):
         supervisor.send_signal(sent)
         assert read_line(supervisor.stdout, 30, "the forwarded signal") == "GOT SIGTERM\n"
         assert supervisor.wait(timeout=30) == code
-    finally:
-        supervisor.kill()
-        supervisor.wait(timeout=30)
 
 
 @pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
 def test_a_second_sigint_kills_a_child_that_ignores_the_first_at_once(tmp_path):
-    supervisor = supervising(tmp_path, SIGNALS, "--grace", "600")
-    try:
-        child = int(read_line(supervisor.stdout, 60, "the child's pid").split()[1])
+    with supervising(tmp_path, SIGNALS, "--grace", "600") as (supervisor, child):
         supervisor.send_signal(signal.SIGINT)
         assert read_line(supervisor.stdout, 30, "the forwarded SIGINT") == "GOT SIGINT\n"
         assert not gone(child, within=1.0)  # it ignored the first, and --grace is 10 minutes
         supervisor.send_signal(signal.SIGINT)
         assert supervisor.wait(timeout=30) == 130
         assert gone(child)
-    finally:
-        supervisor.kill()
-        supervisor.wait(timeout=30)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_sigkilled_run_leaves_no_child_behind(tmp_path):
-    supervisor = supervising(tmp_path, SIGNALS)
-    try:
-        child = int(read_line(supervisor.stdout, 60, "the child's pid").split()[1])
+    with supervising(tmp_path, SIGNALS) as (supervisor, child):
         supervisor.kill()  # run can forward nothing: the kernel ends its child
         supervisor.wait(timeout=30)
         assert gone(child), f"the child {child} outlived a SIGKILLed run"
-    finally:
-        supervisor.kill()
-        supervisor.wait(timeout=30)
 
 
 #: In a terminal: the child reads a line (a background group would be stopped by SIGTTIN),
