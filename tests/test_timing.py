@@ -35,15 +35,26 @@ def _configs(tf):
 
 def test_the_time_grows_with_the_payload_so_the_reduction_really_ran(tf):
     """A session that fetched only a tf.group of the results timed 32 MB in 0.3 ms on
-    TF 1.15: the race compared nothing. 128x the data must take clearly longer."""
+    TF 1.15: the race compared nothing, and 128x the data took no longer. Done right,
+    the fastest of 9 runs takes 16-50x as long in a session and 6.5-10x eager here, quiet
+    or beside two busy loops. A machine's hiccups only slow runs down, so the fastest
+    runs are compared, against a margin a race that does nothing (1x) cannot pass. (A 3x
+    margin on medians failed once on a loaded CI machine: 6.8 vs 15.9 ms eager.)"""
     from safestrategy._tf import era
 
     small, large = allreduce.payload_sizes(0.5), allreduce.payload_sizes(64)
     for config in _configs(tf):
         times = timing.batches_ms(
-            tf, era(tf.__version__), cpus(2), "reduce_to_cpu", [small, large], config
+            tf,
+            era(tf.__version__),
+            cpus(2),
+            "reduce_to_cpu",
+            [small, large],
+            config,
+            runs=9,
+            summary=min,
         )
-        assert times[1] > 3 * times[0], (config is None, times)
+        assert times[1] > 2 * times[0], (config is None, times)
 
 
 def test_auto_in_a_tf1_session_races_the_candidates_that_pass(tf1):

@@ -10,7 +10,7 @@ led to (:func:`stored`, :func:`remembered`).
 """
 
 import logging
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 from .. import _cache, _machine, _tf
 from ..choose import Decision
@@ -63,16 +63,18 @@ def batches_ms(
     config: Any = None,
     timeout: Optional[float] = None,
     runs: int = RUNS,
+    summary: Callable[[Sequence[float]], float] = median,
 ) -> List[float]:
-    """Median milliseconds (of ``runs``, after an untimed first run) of backend ``name``'s
-    all-reduce of each batch of float32 tensors (element counts) in ``batches``, over
-    ``devices``, here (see :func:`~safestrategy.checks.allreduce.race`)."""
+    """Milliseconds of backend ``name``'s all-reduce of each batch of float32 tensors
+    (element counts) in ``batches``, over ``devices``, here: the ``summary`` (the median
+    unless told) of ``runs`` timed runs after an untimed first run (see
+    :func:`~safestrategy.checks.allreduce.race`)."""
     times = []
     for sizes in batches:  # one batch at a time: only its tensors take memory
         ready = allreduce.race(tf, era, devices, name, sizes, config, timeout)
         try:
             in_fresh_thread(ready.first)
-            times.append(median(timed_ms(ready, runs)))
+            times.append(summary(timed_ms(ready, runs)))
         finally:
             ready.close()
     return times
