@@ -263,6 +263,24 @@ def test_the_record_is_promised_only_where_one_is_written_and_read(tf, monkeypat
     assert "the next automatic choice on these devices skips nccl" in stall_text("nccl", ())
 
 
+def test_a_call_that_finishes_withdraws_only_the_record_its_own_stall_wrote(monkeypatch):
+    """A crash record from ``run`` (another process) is not the watchdog's to withdraw."""
+    place = _stalls.Place(_stalls.KIND, {"devices": CPUS}, True)
+    _stalls.record(place, "hierarchical_copy", 12.0, {}, kind="crash", cause="SIGABRT")
+    watched = _watchdog._Strategy(lambda: None, report(backend="hierarchical_copy"), place)
+    monkeypatch.setattr(_watchdog, "_written", {2: watched})
+    settings = _env.StallSettings(600.0, "warn")
+
+    def finishes(thread):
+        call = _watchdog.Watched(object(), STEP, 0.0, fired=True)
+        _watchdog._handle(_watchdog.Event(_watchdog.FINISHED, thread, call, 700.0), None, settings)
+
+    finishes(1)  # its stall wrote nothing: the crash record stays
+    assert _stalls.read(place, "hierarchical_copy").kind == "crash"
+    finishes(2)  # this one wrote the record for its strategy: withdrawn
+    assert _stalls.read(place, "hierarchical_copy") is None
+
+
 # --- the next decision, from a stall record -------------------------------------------------
 
 CPUS = ["/cpu:0", "/cpu:1"]
