@@ -346,10 +346,20 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: python -m safestrategy run --max-restarts 3 -- python train.py",
     )
     parser.add_argument(
-        "--max-restarts", type=int, default=3, metavar="N", help="relaunches after the first"
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="relaunches after the first launch (default: %(default)s)",
     )
     parser.add_argument(
-        "--grace", type=float, default=30.0, metavar="S", help="seconds between SIGTERM and SIGKILL"
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds run gives a training to end by itself: after Ctrl-C, after the "
+        "training says it finished (its heartbeat) but has not exited, and between SIGTERM "
+        "and SIGKILL (default: %(default)g)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS ...]")
     return parser

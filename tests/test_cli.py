@@ -118,3 +118,10 @@ def test_records_lists_and_forgets_both_key_spaces_with_tf_config_set(run_cli, t
     assert run_cli("records").stdout.startswith("1 record in ")
     assert run_cli("records", "--backend", "bogus").returncode == 2
     assert run_cli("records", env={"SAFESTRATEGY_CACHE": "maybe"}).returncode == 2
+
+
+def test_run_help_shows_its_defaults_and_what_grace_bounds(run_cli):
+    helped = " ".join(run_cli("run", "--help").stdout.split())
+    assert "relaunches after the first launch (default: 3)" in helped
+    assert "after Ctrl-C" in helped and "finished" in helped
+    assert "between SIGTERM and SIGKILL (default: 30)" in helped
