@@ -1,8 +1,9 @@
 """The command line: the probe report for this machine, as text or JSON.
 
 With ``TF_CONFIG`` set it shows the multi-worker view (:mod:`safestrategy.multiworker.cli`).
-``python -m safestrategy records`` lists (``--forget``: forgets) every stall record on
-this machine, of both key spaces, importing nothing beyond the cache.
+``python -m safestrategy records`` lists (``--forget``: forgets) every stall and crash
+record in the cache directory it names, of both key spaces, importing nothing beyond the
+cache.
 ``--benchmark`` then times every backend that passed over a range of sizes
 (:mod:`safestrategy._benchmark`), ``--plot FILE.png`` draws it. Text output shows
 progress as it goes: each candidate's result as it comes, and the elapsed time
@@ -53,8 +54,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Find the cross-device all-reduce that works on this machine's devices: "
         "each candidate is run for real and its sums checked.",
         epilog=f"backends, in auto order:\n{backends}\n\n"
-        "subcommands:\n  records            list (--forget: forget) the stall records on this "
-        "machine, one-machine and multi-worker alike\n"
+        "subcommands:\n  records            list (--forget: forget) the stall and crash "
+        f"records in the cache directory ({ENV_CACHE_DIR}), one-machine and multi-worker "
+        "alike\n"
         "  run -- COMMAND     run a training, relaunching it on the next backend when an "
         "all-reduce stalls or crashes it (POSIX)\n\n"
         f"environment: {ENV_BACKEND} (same values as --backend), "
@@ -186,14 +188,25 @@ def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
             _tf.configure_logical_cpus(_tf.import_tf(), cpus)
 
 
+def _where_from() -> str:
+    """Why the cache directory is the one it is, as ``records`` says it."""
+    if os.environ.get(ENV_CACHE_DIR, "").strip():
+        return f"from {ENV_CACHE_DIR}"
+    return f"the user cache directory; {ENV_CACHE_DIR} names another"
+
+
 def _records(argv: List[str]) -> int:
-    """``python -m safestrategy records [--forget] [--backend NAME]``: every record on this
-    machine (one-machine and multi-worker), listed or forgotten; nothing is checked."""
+    """``python -m safestrategy records [--forget] [--backend NAME]``: every record in the
+    one cache directory this process reads (one-machine and multi-worker), listed or
+    forgotten, and which directory that is; nothing is checked."""
     names = sorted(set(BACKEND_NAMES) | set(COMMUNICATION_NAMES))
     parser = argparse.ArgumentParser(
         prog="safestrategy records",
-        description="List the stall records on this machine (one-machine and multi-worker "
-        "alike, TF_CONFIG set or not), or forget them.",
+        description="List the stall and crash records in one cache directory (one-machine "
+        "and multi-worker alike, TF_CONFIG set or not), or forget them. The directory is "
+        f"{ENV_CACHE_DIR} if set, else the user cache directory; here: {cache_dir()}. A training "
+        f"run with another {ENV_CACHE_DIR} keeps its records there: give the same "
+        f"{ENV_CACHE_DIR} to list them.",
     )
     parser.add_argument("--forget", action="store_true", help="forget them")
     parser.add_argument("--backend", choices=names, metavar="NAME", help="only this backend's")
@@ -207,12 +220,13 @@ def _records(argv: List[str]) -> int:
         print(f"{ENV_CACHE}=off: nothing is recorded or read")
         return 0
     where = cache_dir()
+    read = f"the cache directory {where} ({_where_from()})"
     if args.forget:
         gone = stalls.forget(where, args.backend)
-        print(f"forgot {gone} record{'' if gone == 1 else 's'} in {where}")
+        print(f"forgot {gone} record{'' if gone == 1 else 's'} in {read}")
         return 0
     found = [r for r in stalls.every(where) if args.backend in (None, r[2].backend)]
-    print(f"{len(found)} record{'' if len(found) == 1 else 's'} in {where}")
+    print(f"{len(found)} record{'' if len(found) == 1 else 's'} in {read}")
     for kind, key, stall in found:
         if kind == stalls.MULTIWORKER_KIND:
             place = f"multi-worker, {key.get('task')} of {', '.join(key.get('cluster') or ())}"

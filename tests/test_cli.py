@@ -120,6 +120,29 @@ def test_records_lists_and_forgets_both_key_spaces_with_tf_config_set(run_cli, t
     assert run_cli("records", env={"SAFESTRATEGY_CACHE": "maybe"}).returncode == 2
 
 
+def test_records_says_which_cache_directory_it_read_and_that_it_is_only_that_one(run_cli, tmp_path):
+    """``records`` reads one cache directory, not the machine: its output and help name it
+    and the variable that chooses another."""
+    where = str(tmp_path / "cache")  # the isolated fixture's SAFESTRATEGY_CACHE_DIR
+    listed = run_cli("records")
+    assert (
+        listed.stdout == f"0 records in the cache directory {where} (from SAFESTRATEGY_CACHE_DIR)\n"
+    )
+    forgot = run_cli("records", "--forget").stdout
+    assert (
+        forgot == f"forgot 0 records in the cache directory {where} (from SAFESTRATEGY_CACHE_DIR)\n"
+    )
+    unset = run_cli("records", env={"SAFESTRATEGY_CACHE_DIR": "", "XDG_CACHE_HOME": str(tmp_path)})
+    assert unset.stdout == (
+        f"0 records in the cache directory {tmp_path / 'safestrategy'} (the user cache "
+        "directory; SAFESTRATEGY_CACHE_DIR names another)\n"
+    )
+    helped = run_cli("records", "--help").stdout
+    assert "one cache directory" in helped and "every record on" not in helped
+    assert where in " ".join(helped.split())
+    assert "in the cache directory (SAFESTRATEGY_CACHE_DIR)" in run_cli("--help").stdout
+
+
 def test_run_help_shows_its_defaults_and_what_grace_bounds(run_cli):
     helped = " ".join(run_cli("run", "--help").stdout.split())
     assert "relaunches after the first launch (default: 3)" in helped
