@@ -1,12 +1,21 @@
 """The frozen report: one record that serves the API, the logs and the CLI.
 
 Also what every factory shares about its outcome, so that none imports another
-for it: :class:`NoWorkingBackendError` and :func:`last_report`.
+for it: :class:`NoWorkingBackendError` and :func:`last_report`; and
+:func:`refresh_command`, the command the report's text (and every message resting on
+something cached) quotes to check a device set again.
 """
 
 import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
 import threading
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+from ._devices import parse_device
 
 OK = "ok"
 FAILED = "failed"
@@ -18,6 +27,30 @@ STATUSES = (OK, FAILED, TIMEOUT, SKIPPED, NOT_TRIED)
 XLA_NOTE = (
     "TensorFlow uses its collective all-reduce in XLA-compiled steps whatever backend was chosen"
 )
+
+
+def refresh_command(
+    devices: Sequence[Any], timeout: Optional[float] = None, backend: Optional[str] = None
+) -> str:
+    """The command line that checks ``devices`` again, ignoring and rewriting what is
+    cached for them (``--refresh``: verdicts, timings, stall records), with ``timeout``
+    and ``--backend`` where given.
+
+    The interpreter is this one (a verdict's key holds it): ``python`` where that is what
+    ``PATH`` runs, else its full path.
+    """
+    parsed = [parse_device(str(device)) for device in devices]
+    python = "python" if shutil.which("python") == sys.executable else sys.executable
+    args = [python, "-m", "safestrategy", "--devices"]
+    args += [f"/{device.kind.lower()}:{device.index}" for device in parsed]
+    if timeout is not None:
+        args += ["--timeout", str(int(timeout)) if float(timeout).is_integer() else repr(timeout)]
+    if backend is not None:
+        args += ["--backend", backend]
+    args.append("--refresh")
+    if os.name == "nt":
+        return subprocess.list2cmdline(args)
+    return " ".join(shlex.quote(arg) for arg in args)
 
 
 class CandidateResult(NamedTuple):
@@ -146,7 +179,8 @@ class Report(NamedTuple):
         timed = any(candidate.ms is not None for candidate in self.candidates)
         lines.extend(candidate.line(timed) for candidate in self.candidates)
         if self.stalls:
-            lines.append("stalls recorded (python -m safestrategy --refresh forgets them)")
+            forget = refresh_command(self.devices)
+            lines.append(f"stalls recorded (`{forget}` forgets them)")
             lines.extend(stall.line() for stall in self.stalls)
         return "\n".join(lines)
 

@@ -1,10 +1,13 @@
 """``python -m safestrategy`` in a subprocess, on this leg's real TensorFlow."""
 
 import json
+import re
+import shlex
+import subprocess
 
 import pytest
 
-from .conftest import needs_tf
+from .conftest import ROOT, needs_tf
 
 pytestmark = needs_tf
 
@@ -118,6 +121,29 @@ def test_records_lists_and_forgets_both_key_spaces_with_tf_config_set(run_cli, t
     assert run_cli("records").stdout.startswith("1 record in ")
     assert run_cli("records", "--backend", "bogus").returncode == 2
     assert run_cli("records", env={"SAFESTRATEGY_CACHE": "maybe"}).returncode == 2
+
+
+def test_the_command_the_report_quotes_for_recorded_stalls_forgets_them(run_cli, tf):
+    """The report's "stalls recorded (... forgets them)" quotes a command that does: it
+    names the devices, which the records' key holds (a bare --refresh checks the default
+    devices and leaves them)."""
+    from safestrategy.checks import stalls
+
+    stalls.record(stalls.on_machine(tf, ["/device:CPU:0", "/device:CPU:1"]), "nccl", 601, {})
+    shown = run_cli("--devices", "/cpu:0", "/cpu:1")
+    assert shown.returncode == 0, shown.stderr
+    (quoted,) = re.findall(r"stalls recorded \(`?(.+?)`? forgets them\)", shown.stdout)
+    ran = subprocess.run(
+        shlex.split(quoted),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+        cwd=str(ROOT),
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert run_cli("records").stdout.startswith("0 records in ")
+    assert "stalls recorded" not in run_cli("--devices", "/cpu:0", "/cpu:1").stdout
 
 
 def test_records_says_which_cache_directory_it_read_and_that_it_is_only_that_one(run_cli, tmp_path):

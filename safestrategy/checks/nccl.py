@@ -24,16 +24,13 @@ are cached; one that could not start, or that ran out of GPU memory, is not.
 import logging
 import os
 import platform
-import shlex
-import shutil
-import subprocess
 import sys
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _cache, _env, _machine, _tf
-from .._devices import Device, parse_device
+from .._devices import Device
 from ..backends import NCCL
-from ..report import FAILED, OK, TIMEOUT, CandidateResult
+from ..report import FAILED, OK, TIMEOUT, CandidateResult, refresh_command
 from . import probe
 
 logger = logging.getLogger("safestrategy")
@@ -288,30 +285,6 @@ def read_verdict(directory: str, kind: str, key: Mapping[str, Any]) -> Optional[
     except TypeError:
         logger.debug("cached %s verdict %r has the wrong fields; ignored", kind, stored)
         return None
-
-
-def refresh_command(
-    devices: Sequence[Any], timeout: Optional[float] = None, backend: Optional[str] = None
-) -> str:
-    """The command line that checks ``devices`` again, ignoring and rewriting what is
-    cached for them (``--refresh``: verdicts, timings, stall records), with ``timeout``
-    and ``--backend`` where given.
-
-    The interpreter is this one (a verdict's key holds it): ``python`` where that is what
-    ``PATH`` runs, else its full path.
-    """
-    parsed = [parse_device(str(device)) for device in devices]
-    python = "python" if shutil.which("python") == sys.executable else sys.executable
-    args = [python, "-m", "safestrategy", "--devices"]
-    args += [f"/{device.kind.lower()}:{device.index}" for device in parsed]
-    if timeout is not None:
-        args += ["--timeout", str(int(timeout)) if float(timeout).is_integer() else repr(timeout)]
-    if backend is not None:
-        args += ["--backend", backend]
-    args.append("--refresh")
-    if os.name == "nt":
-        return subprocess.list2cmdline(args)
-    return " ".join(shlex.quote(arg) for arg in args)
 
 
 def recheck_command(devices: Sequence[Any], timeout: float, name: str = NCCL) -> str:
