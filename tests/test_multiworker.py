@@ -669,3 +669,31 @@ def test_under_run_a_relaunched_workers_hello_waits_for_peers_still_stuck(monkey
     assert multiworker._hello_wait(request) == 3.0  # the first launch: as ever
     monkeypatch.setenv("SAFESTRATEGY_RESTART", "1")
     assert multiworker._hello_wait(request) == 18.0
+
+
+def test_under_run_a_relaunched_workers_missing_workers_error_says_what_it_waited(monkeypatch):
+    """The error quotes the wait it really had (probe timeout + stall timeout + --grace),
+    not the probe timeout alone; a first launch keeps the probe timeout's words."""
+    request = multiworker.Request(
+        _cluster.parse_tf_config(tf_configs(2)[0]), resolve_communication(None), 1.0, True
+    )
+    cpu = {"gpus": 0, "nccl_kernels": 0, "tf_version": "2.99.0"}
+    monkeypatch.setenv("SAFESTRATEGY_STALL_TIMEOUT", "1.5")
+    monkeypatch.setenv("SAFESTRATEGY_RUN_GRACE", "0.5")
+    monkeypatch.setenv("SAFESTRATEGY_RESTART", "1")
+    with pytest.raises(MissingWorkersError) as relaunched:
+        multiworker.decide(request, cpu)
+    message = str(relaunched.value)
+    assert "gave up after 3 s" in message
+    assert (
+        "within 3 s of each other (a worker relaunched by run waits for its peers "
+        "SAFESTRATEGY_PROBE_TIMEOUT 1 s + SAFESTRATEGY_STALL_TIMEOUT 1.5 s + run's --grace "
+        "0.5 s; raise SAFESTRATEGY_PROBE_TIMEOUT to wait longer)"
+    ) in message
+    monkeypatch.setenv("SAFESTRATEGY_RESTART", "0")
+    with pytest.raises(MissingWorkersError) as first:
+        multiworker.decide(request, cpu)
+    assert "gave up after 1 s" in str(first.value)
+    assert "within SAFESTRATEGY_PROBE_TIMEOUT seconds of each other (or raise it)" in str(
+        first.value
+    )

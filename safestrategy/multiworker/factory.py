@@ -135,16 +135,35 @@ def records(tf: Any, workers: Cluster) -> List[Dict[str, str]]:
     return [{"backend": name, "happened": stall.happened()} for name, stall in found if stall]
 
 
-def _hello_wait(request: Request) -> float:
-    """How long the hello waits for the peers: the probe timeout; under ``run`` after a
-    relaunch also a peer's stall timeout and ``--grace``, so that the first worker back
-    does not give up before its peers are freed by their watchdog and relaunched."""
+def _hello_parts(request: Request) -> List[Tuple[str, float]]:
+    """What the hello's wait for the peers is made of, each named as a user sets it: the
+    probe timeout; under ``run`` after a relaunch also a peer's stall timeout and
+    ``--grace``, so that the first worker back does not give up before its peers are freed
+    by their watchdog and relaunched."""
+    parts = [(_env.ENV_TIMEOUT, request.timeout)]
     restart = os.environ.get(_env.ENV_RESTART, "").strip()
     if not restart.isdigit() or restart == "0":
-        return request.timeout
+        return parts
     stall = resolve_stall().timeout or 0.0
-    grace = _env.run_grace()
-    return request.timeout + stall + grace
+    return [*parts, (_env.ENV_STALL_TIMEOUT, stall), ("run's --grace", _env.run_grace())]
+
+
+def _hello_wait(request: Request) -> float:
+    """How long the hello waits for the peers (:func:`_hello_parts`)."""
+    return sum(seconds for _, seconds in _hello_parts(request))
+
+
+def _hello_within(request: Request) -> Optional[str]:
+    """How a ``MissingWorkersError`` of the hello says what it waited, when that is more
+    than the probe timeout (None: the rendezvous's own words)."""
+    parts = _hello_parts(request)
+    if len(parts) == 1:
+        return None
+    each = " + ".join(f"{what} {seconds:g} s" for what, seconds in parts)
+    return (
+        f"{_hello_wait(request):g} s of each other (a worker relaunched by run waits for its "
+        f"peers {each}; raise {_env.ENV_TIMEOUT} to wait longer)"
+    )
 
 
 def _hello(request: Request, facts: Mapping[str, Any]) -> Dict[str, Any]:
@@ -258,6 +277,7 @@ def decide(
                 _hello(request, facts),
                 _hello_wait(request),
                 "waiting for the other workers",
+                _hello_within(request),
             )
             met = True
             problem = agree.disagreement(hellos)

@@ -57,6 +57,8 @@ IO_TIMEOUT = 5.0
 MAX_MESSAGE = 1 << 20
 #: Seconds a worker that gives up spends telling each peer so (one try).
 NOTICE_TIMEOUT = 1.0
+#: How a MissingWorkersError says what a round waited, unless the caller says otherwise.
+WITHIN = "SAFESTRATEGY_PROBE_TIMEOUT seconds of each other (or raise it)"
 
 #: This process, among the processes a worker's host may run one after another.
 _PROCESS = os.urandom(6).hex()
@@ -310,15 +312,20 @@ class Rendezvous:
                     self._why[peer.task] = reply
 
     def exchange(
-        self, round_name: str, body: Any, timeout: float, waiting_for: str
+        self,
+        round_name: str,
+        body: Any,
+        timeout: float,
+        waiting_for: str,
+        within: Optional[str] = None,
     ) -> Dict[str, Any]:
         """Send ``body`` to every peer and collect theirs: ``{task: body}``, this one's included.
 
         Raises :class:`MissingWorkersError` when the round is not complete within
-        ``timeout`` seconds (``waiting_for`` says what for, in its message), after
-        telling the peers it gave up; or at once when a peer left a round this
-        attempt shared with it (it gave up, or started again), naming the workers
-        that peer did not hear from.
+        ``timeout`` seconds (``waiting_for`` says what for, and ``within`` what that
+        timeout is made of, in its message; None: the probe timeout), after telling the
+        peers it gave up; or at once when a peer left a round this attempt shared with it
+        (it gave up, or started again), naming the workers that peer did not hear from.
         """
         deadline = time.monotonic() + timeout
         for peer in self.peers:
@@ -358,8 +365,8 @@ class Rendezvous:
         raise MissingWorkersError(
             f"{self.me.task} gave up after {timeout:g} s {waiting_for}: "
             f"no answer from {', '.join(names)}. Details: {'; '.join(details)}. Start the "
-            "same program on every worker in TF_CONFIG within SAFESTRATEGY_PROBE_TIMEOUT "
-            "seconds of each other (or raise it); see docs/multiworker.md",
+            f"same program on every worker in TF_CONFIG within {within or WITHIN}; see "
+            "docs/multiworker.md",
             names,
             self.me.task,
         )
