@@ -359,7 +359,7 @@ def test_nccl_hanging_or_crashing_on_one_worker_ends_in_ring_on_both(
     assert time.monotonic() - started < 60
     for report in results.values():
         nccl, ring = report.candidates
-        assert report.backend == "ring" and ring.status == "ok"
+        assert report.backend == "ring" and ring.status == "not_tried"
         assert nccl.status == status and nccl.reason.startswith(f"worker:1: {status}: ")
         assert "also with NCCL_P2P_DISABLE=1 and with NCCL_SHM_DISABLE=1" in nccl.reason
 
@@ -403,6 +403,18 @@ def test_cpu_workers_skip_nccl_in_auto_and_fail_it_when_forced(fake_mw):
     for error in decide_threads(2, "nccl", facts=cpu).values():
         assert isinstance(error, safestrategy.NoWorkingBackendError)
         assert "nccl: failed: no GPU among the devices (worker:0, worker:1 have none)" in str(error)
+
+
+def test_ring_taken_without_a_check_is_shown_so_not_as_ok_in_no_time(fake_mw):
+    """RING is never run before it is used: the report and the CLI's progress line say
+    not_tried and why, never ``ring ok 0.00s`` as if it had passed a check."""
+    cpu = {"gpus": 0, "nccl_kernels": 0, "tf_version": "2.99.0"}
+    for report in decide_threads(2, facts=cpu).values():
+        ring = report.candidates[-1]
+        assert (report.backend, ring.name, ring.status) == ("ring", "ring", "not_tried")
+        assert ring.reason.startswith("used without a check: RING is TensorFlow's collective")
+        (line,) = [line for line in str(report).splitlines() if line.startswith("  ring ")]
+        assert "not_tried" in line and "0.00s" not in line and " ok " not in line
 
 
 def test_workers_with_different_settings_raise_on_every_worker(fake_mw):

@@ -19,9 +19,17 @@ from ..checks.nccl import NO_KERNELS, REMEDIES
 from ..report import FAILED, NOT_TRIED, OK, SKIPPED, TIMEOUT, CandidateResult
 
 RING_REASON = (
-    "not checked in a probe process: RING is TensorFlow's collective over the gRPC "
-    "connections between the workers, which cannot hang on NCCL's P2P/SHM/driver faults"
+    "used without a check: RING is TensorFlow's collective over the gRPC connections "
+    "between the workers, which cannot hang on NCCL's P2P/SHM/driver faults"
 )
+
+
+def shown(result: CandidateResult) -> CandidateResult:
+    """``result`` as the report and the CLI show it: RING passes by rule for the chooser
+    (:data:`RING_REASON`), but nothing was run, so it is ``not_tried`` (no time, no "ok")."""
+    if result.name == RING and result.status == OK:
+        return result._replace(status=NOT_TRIED)
+    return result
 
 #: The communications a record fails: RING, the last resort, is never failed by one (a
 #: record against it is reported, not obeyed).

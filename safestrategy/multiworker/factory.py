@@ -290,7 +290,7 @@ def decide(
                 else:
                     result = _nccl_check(rendezvous, request, hellos)
                 if on_result is not None:
-                    on_result(result)
+                    on_result(agree.shown(result))
                 return result
 
             decision = choose.decide(setting, check, race=False, why=agree.why)
@@ -310,7 +310,7 @@ def decide(
         platform=_machine.system(),
         tf_version=str(facts.get("tf_version")),
         tf_api=_tf.tf_api(str(facts.get("tf_version"))),
-        candidates=decision.results,
+        candidates=tuple(agree.shown(result) for result in decision.results),
         reason=decision.reason,
         wsl=_machine.is_wsl(),
         nccl_kernels=facts.get("nccl_kernels"),
