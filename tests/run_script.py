@@ -23,11 +23,22 @@ injected on the first launch only (``SAFESTRATEGY_RESTART`` is 0), in epoch 2:
 
 The watched part starts after the step is compiled, so a loaded machine's slow
 compile is never a stall. Prints ``BACKEND <name>`` and ``EPOCHS <n run>``.
+
+By hand, as docs/healing.md shows it::
+
+    SAFESTRATEGY_BACKEND=hierarchical_copy,reduce_to_cpu \
+        python -m safestrategy run -- python tests/run_script.py stall
+
+``RUN_SCRIPT_BACKUP`` names the directory that keeps the training's state from one
+launch to the next (``BackupAndRestore``, the checkpoints); unset, it is a temporary
+directory of this ``run`` (named by its pid, which every launch of one run shares).
+``RUN_SCRIPT_STALL_TIMEOUT`` (default 3) is the watched part's stall timeout.
 """
 
 import ctypes
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,7 +52,10 @@ from safestrategy import _tf
 SCENARIO = sys.argv[1]
 FIRST = os.environ.get("SAFESTRATEGY_RESTART") == "0"
 T = os.environ.pop("RUN_SCRIPT_STALL_TIMEOUT", "3")
-BACKUP = os.environ["RUN_SCRIPT_BACKUP"]
+RUN = os.environ.get("SAFESTRATEGY_RUN_PARENT", "").strip() or str(os.getppid())
+BACKUP = os.environ.get("RUN_SCRIPT_BACKUP") or os.path.join(
+    tempfile.gettempdir(), f"run_script-{SCENARIO}-{RUN}"
+)
 DEVICES = ["/cpu:0", "/cpu:1"]
 _tf.configure_logical_cpus(tf, 2)
 trouble = {"armed": False}
