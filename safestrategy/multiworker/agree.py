@@ -31,6 +31,7 @@ def shown(result: CandidateResult) -> CandidateResult:
         return result._replace(status=NOT_TRIED)
     return result
 
+
 #: The communications a record fails: RING, the last resort, is never failed by one (a
 #: record against it is reported, not obeyed).
 READ = (NCCL,)
