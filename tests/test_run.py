@@ -33,19 +33,25 @@ PLACE = {
 HERE = {"backend": "nccl", "devices": ["/device:GPU:0", "/device:GPU:1"], "mode": "auto"}
 
 
+PID = 4242  #: the training's pid in the tables below
+
+
 def decided(**fields):
-    return {**HERE, "place": PLACE, "read": True, "remedy": {}, **fields}
+    entry = {**HERE, "place": PLACE, "read": True, "remedy": {}, "pid": PID}
+    return {**entry, "unread": None, "cache": "/the/trainings/cache", **fields}
 
 
-def launch(decisions=(), beats=None, error="", fault=""):
-    return _rundir.Launch(list(decisions), beats, error, fault)
+def launch(decisions=(), beats=None, error="", fault="", stalled=()):
+    beats = {PID: beats} if beats is not None else {}
+    return _rundir.Launch(list(decisions), beats, error, fault, tuple(stalled))
 
 
-def no_record(place, backend):
+def no_record(place, backend, cache):
     return None
 
 
-def a_record(place, backend):
+def a_record(place, backend, cache):
+    assert cache == "/the/trainings/cache"  # where the training reads, not run's own cache
     return Stall(backend, 600.0, "2026-12-02T10:00:00+00:00")
 
 
@@ -57,13 +63,10 @@ def test_a_recorded_stall_is_relaunched_and_an_unread_one_is_not():
         verdict.why
         == "training stalled on nccl after 600 s (recorded); the next decision avoids it"
     )
-    for entry, why in (
-        (decided(mode="forced", read=False, place=None), "a forced backend"),
-        (decided(devices=["/device:GPU:0"], read=False, place=None), "one device"),
-        (decided(read=False, place=None), "your own cross_device_ops, or the cache off"),
-    ):
+    for why in ("a forced backend is used whatever its records say", "one device has no"):
+        entry = decided(read=False, place=None, unread=why)
         verdict = run.judge(stalled, launch([entry]), a_record)
-        assert not verdict.relaunch and verdict.code == 75 and why in verdict.why
+        assert not verdict.relaunch and verdict.code == 75 and f"({why})" in verdict.why
     unknown = run.judge(stalled, launch([decided()]), no_record)  # the watchdog could not tell
     assert not unknown.relaunch and "could not tell which strategy" in unknown.why
 
@@ -114,6 +117,45 @@ def test_a_signal_to_run_a_silent_child_and_a_gone_peer():
         assert peer.why == f"a peer is gone ({quoted}); nothing recorded"
     alone = run.judge(run.Ended(1, 9.0), launch([decided()], "5 inside", error), no_record)
     assert alone.record is not None  # one machine: no peer to blame, the all-reduce crashed
+
+
+def test_a_stall_outside_the_allreduce_is_not_relaunched_and_run_says_where():
+    outside = {"where": "input", "outside": True, "recorded": False}
+    verdict = run.judge(run.Ended(75, 700.0), launch([decided()], stalled=[outside]), a_record)
+    assert (verdict.relaunch, verdict.code, verdict.record) == (False, 75, None)
+    assert verdict.why.startswith("training stalled waiting for input data (an iterator's")
+    assert "outside the all-reduce: nothing recorded" in verdict.why
+
+
+#: faulthandler's dump of a SIGABRT in the first step, before any heartbeat (TF 2.21).
+FAULT = """Fatal Python error: Aborted
+
+Thread 0x00007f1 (most recent call first):
+  File "/v/site-packages/tensorflow/python/eager/execute.py", line 53 in quick_execute
+  File "/v/site-packages/tensorflow/python/eager/def_function.py", line 833 in __call__
+  File "/home/me/train.py", line 40 in <module>
+"""
+
+
+def test_a_crash_in_the_first_step_is_told_by_the_fault_dump_before_any_heartbeat():
+    first = run.judge(run.Ended(-6, 3.0), launch([decided()], None, fault=FAULT), no_record)
+    assert first.relaunch and first.record.kind == "crash"
+    assert first.record.where == "/the/trainings/cache"  # the training's cache, not run's
+    python_only = FAULT.replace("/tensorflow/python/", "/mylib/")
+    outside = run.judge(run.Ended(-6, 3.0), launch([decided()], None, fault=python_only), no_record)
+    assert not outside.relaunch and outside.record is None
+
+
+def test_the_users_own_signal_is_named_as_the_reason():
+    for returncode, name in ((-2, "SIGINT"), (130, "SIGINT"), (131, "SIGQUIT"), (-9, "SIGKILL")):
+        verdict = run.judge(run.Ended(returncode, 5.0), launch([decided()], "3 inside"), a_record)
+        assert not verdict.relaunch
+        assert verdict.why == f"the training was ended by {name}, a signal from outside"
+    error = "Traceback (most recent call last):\n  ...\nKeyboardInterrupt"
+    interrupted = run.judge(run.Ended(1, 5.0), launch([decided()], "3 inside", error), a_record)
+    assert interrupted.why == "the training was interrupted (KeyboardInterrupt)"
+    to_run = run.judge(run.Ended(-2, 5.0, signalled=signal.SIGINT), launch([decided()]), a_record)
+    assert (to_run.code, to_run.why) == (130, "stopped by your SIGINT: not relaunched")
 
 
 #: What TF 2.21 raised in the survivor when its peer aborted mid-step (the two-worker test
@@ -187,7 +229,7 @@ def test_the_child_leaves_its_decision_heartbeat_and_error_and_a_grandchild_writ
     (launch_dir,) = (tmp_path / "cache" / "runs").glob("*/launch-0")
     left = _rundir.read(str(launch_dir))
     assert [d["backend"] for d in left.decisions] == ["reduce_to_cpu"]
-    assert left.beats == _rundir.FINISHED or left.beats == "7 inside"
+    assert list(left.beats.values()) in ([_rundir.FINISHED], ["7 inside"])
     assert left.error.strip() == "ValueError: the last words"
     assert len(list(launch_dir.glob("heartbeat-*"))) == 1  # the grandchild's 99 went nowhere
     assert run.NOT_CURABLE in done.stderr and "launches:" in done.stderr

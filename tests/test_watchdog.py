@@ -537,3 +537,58 @@ def test_a_collective_timeout_the_user_set_is_reported_like_a_stall(tf, monkeypa
     assert recorded == [(_stalls.MULTIWORKER_KIND, "ring")]
     sys.excepthook(ValueError, ValueError("other"), None)  # other errors: only Python's report
     assert len(before) == 2 and len(caplog.records) == 1
+
+
+def test_time_stopped_is_no_calls_time():
+    """Ctrl-Z, SIGSTOP or a debugger stop the watchdog's thread with the rest: its sleep
+    overruns by the time stopped, which no call spent running."""
+    assert _watchdog.stopped_for(5.2, 5.0) == 0.0  # a late wake-up is not a stop
+    assert _watchdog.stopped_for(65.0, 5.0) == 60.0
+    assert _watchdog.stopped_for(3.0, 0.2) == pytest.approx(2.8)
+    call = object()
+    state, _ = advance({}, {1: (call, STEP)}, 0.0, 10.0)
+    state, events = advance(state, {1: (call, STEP)}, 65.0, 10.0, stopped=60.0)
+    assert events == [] and state[1].since == 60.0  # 5 s of running, not 65
+    state, events = advance(state, {1: (call, STEP)}, 71.0, 10.0)
+    assert [e.what for e in events] == ["stalled"]
+
+
+def test_a_stall_outside_the_allreduce_is_reported_and_never_recorded():
+    watched = [_watchdog._Strategy(lambda: None, report(), None)]
+    assert _watchdog.outside_allreduce(INPUT, None, watched)
+    user = types.SimpleNamespace(f_code=code("/me/train.py", "<module>"), f_locals={}, f_back=None)
+    assert _watchdog.outside_allreduce(OP, user, watched)  # an eager op no strategy runs
+    assert not _watchdog.outside_allreduce(STEP, None, watched)
+    settings = _env.StallSettings(600.0, "exit")
+    text = _watchdog.message(
+        615, INPUT, "MainThread", "  stack", report(), {}, settings, outside=True
+    )
+    assert "Not recorded against nccl: the call is outside the all-reduce" in text
+    assert _watchdog.OUTSIDE_TIP in text and "another backend:" not in text
+    assert "NCCL's own fixes" not in text
+
+
+@pytest.mark.parametrize(
+    "fields, place, said",
+    [
+        ({"mode": "forced"}, None, "your own cross_device_ops is used as given"),
+        ({"candidates": (result("nccl", "ok"),), "mode": "forced"}, None, "a forced backend"),
+        ({"candidates": (result("nccl", "ok"),), "devices": ("/gpu:0",)}, None, "one device"),
+        ({"candidates": (result("ring", "ok"),), "task": "worker:0"}, "unread", "RING"),
+        ({"candidates": (result("nccl", "ok"),)}, "read", None),
+    ],
+    ids=["own-ops", "forced", "one-device", "ring", "read"],
+)
+def test_the_decision_names_the_one_reason_no_record_is_read(fields, place, said):
+    places = {
+        "read": _stalls.Place(_stalls.KIND, {}, True),
+        "unread": _stalls.Place("x", {}, False),
+    }
+    why = _stalls.unread(report(**fields), places.get(place))
+    assert (why is None) if said is None else why.startswith(said)
+
+
+def test_with_the_cache_off_the_reason_is_the_cache(monkeypatch):
+    monkeypatch.setenv("SAFESTRATEGY_CACHE", "off")
+    why = _stalls.unread(report(candidates=(result("nccl", "ok"),)), None)
+    assert why == "SAFESTRATEGY_CACHE=off keeps no record"

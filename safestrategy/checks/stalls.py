@@ -83,8 +83,26 @@ def decision_entry(
         "remedy": dict(chosen.remedy) if chosen is not None else {},
         "place": None if place is None else {"kind": place.kind, "key": dict(place.key)},
         "read": place is not None and place.read,
+        "unread": unread(report, place),
+        "cache": directory(),
         "stall_timeout": stall_timeout,
     }
+
+
+def unread(report: Report, place: Optional[Place]) -> Optional[str]:
+    """The one reason no next decision reads a record of ``report``'s strategy (None: one
+    does), in the words ``run`` says it."""
+    if place is not None and place.read:
+        return None
+    if report.mode == "forced" and not report.candidates:
+        return "your own cross_device_ops is used as given"
+    if directory() is None:
+        return f"{_env.ENV_CACHE}=off keeps no record"
+    if report.task is not None:
+        return "RING, the multi-worker last resort, is never failed by a record"
+    if report.mode == "forced":
+        return "a forced backend is used whatever its records say"
+    return "one device has no all-reduce to change"
 
 
 def place_of(entry: Mapping[str, Any]) -> Optional[Place]:
@@ -135,19 +153,22 @@ def record(
     remedy: Mapping[str, str],
     kind: str = "stall",
     cause: str = "",
+    where: Optional[str] = None,
 ) -> None:
     """Record that ``backend`` stalled for ``seconds`` at ``place`` (with its remedy), or
     (``kind`` "crash") that a launch on it died of ``cause`` after ``seconds``: the same
-    entry, the latest record for a backend wins."""
-    where = directory()
+    entry, the latest record for a backend wins. ``where``: the cache directory (default:
+    this process's; ``run`` gives the training's)."""
+    where = where or directory()
     if where is not None:
         value = Stall(backend, round(seconds, 1), _now(), dict(remedy), kind, cause)
         _cache.write(where, place.kind, {**place.key, "backend": backend}, value.to_dict())
 
 
-def read(place: Place, backend: str) -> Optional[Stall]:
-    """The record of ``backend`` at ``place``, if there is one."""
-    where = directory()
+def read(place: Place, backend: str, where: Optional[str] = None) -> Optional[Stall]:
+    """The record of ``backend`` at ``place``, if there is one (``where``: as for
+    :func:`record`)."""
+    where = where or directory()
     value = _cache.read(where, place.kind, {**place.key, "backend": backend}) if where else None
     try:
         return Stall(**value) if value is not None else None
