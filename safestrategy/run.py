@@ -83,6 +83,7 @@ class Ended(NamedTuple):
     seconds: float  #: how long it ran
     starved: bool = False  #: ``run`` killed it: its heartbeat stopped inside a TF call
     signalled: Optional[int] = None  #: a signal ``run`` itself got (forwarded to the child)
+    hung: bool = False  #: ``run`` ended a training that said ``finished`` but did not exit
 
 
 class Record(NamedTuple):
@@ -155,6 +156,9 @@ def judge(
         return Verdict(False, 128 + ended.signalled, f"stopped ({name} to run)", why)
     if not ended.starved and ended.returncode == 0:
         return Verdict(False, 0, "exit 0", "the training finished")
+    if ended.hung:
+        why = "the training finished, then hung at exit (teardown): ended after --grace s"
+        return Verdict(False, code, "hung at exit", why)
     ending = f"silent {ended.seconds:.0f} s" if ended.starved else f"exit {code}"
     if not launch.decisions:
         why = f"it ended ({ending}) before any factory built a strategy: {NOT_CURABLE}"
@@ -348,7 +352,7 @@ def supervise(
     for number in FORWARDED:
         previous[number] = signal.signal(number, on_signal)
     beats = _Beats(where, stall_timeout, grace, poll)
-    kill_at, starved, said, ended = None, False, False, _waiter(child, wake)
+    kill_at, starved, hung, said, ended = None, False, False, False, _waiter(child, wake)
     try:
         while not ended.is_set():
             wake.wait(poll)
@@ -373,13 +377,15 @@ def supervise(
                 )
                 _procs.signal_all([pid, *_procs.descendants(pid)], signal.SIGKILL)
                 beats.finished.pop(pid)
+                hung = True
             if kill_at is not None and now > kill_at:
                 _procs.signal_all(_procs.descendants(me), signal.SIGKILL)
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
         _end_the_rest(me, child)
-    return Ended(child.returncode, time.monotonic() - started, starved, got[0] if got else None)
+    seconds = time.monotonic() - started
+    return Ended(child.returncode, seconds, starved, got[0] if got else None, hung)
 
 
 def _end_the_rest(me: int, child: "subprocess.Popen[bytes]") -> None:

@@ -587,3 +587,114 @@ def test_a_tf1_session_run_training_is_relaunched_on_the_next_backend(tf1, tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert backends(done) == ["hierarchical_copy", "reduce_to_cpu"]
     assert "training stalled on hierarchical_copy" in done.stderr
+
+
+# --- the training as any descendant of the command (no TensorFlow: the run directory's
+# seam, written as the factory and the watchdog write it) -------------------------------
+
+#: A training two wrappers down: its decision, heartbeat and record as the factory and the
+#: watchdog write them. Launch 0 stalls (a record, exit 75) or aborts inside a call; the
+#: relaunch trains on the next backend of the list and exits 0.
+WRAPPED = """
+import os, sys
+sys.path.insert(0, {root!r})
+from safestrategy import _rundir
+from safestrategy.checks import stalls
+cache = os.environ["SAFESTRATEGY_CACHE_DIR"]
+place = stalls.Place(stalls.KIND, {{"machine": "m", "devices": ["/cpu:0", "/cpu:1"]}}, True)
+first = os.environ["SAFESTRATEGY_RESTART"] == "0"
+backend = "hierarchical_copy" if first else "reduce_to_cpu"
+_rundir.decision({{"backend": backend, "devices": ["/cpu:0", "/cpu:1"], "mode": "list",
+                   "place": {{"kind": place.kind, "key": dict(place.key)}}, "read": True,
+                   "unread": None, "cache": cache, "remedy": {{}}, "stall_timeout": 600}})
+_rundir.heartbeat(1, inside=True)
+print("TRAINING", backend, os.getppid() != int(os.environ["RUN_PID"]), flush=True)
+if first and sys.argv[1] == "stall":
+    stalls.record(place, backend, 5.0, {{}})
+    os._exit(75)
+if first:
+    os.abort()
+"""
+
+#: How the command wraps the training (``{py}``: this interpreter, ``{mode}``).
+WRAPPERS = {
+    "script": ["./train.sh", "{mode}"],
+    "bash -c": ["bash", "-c", '"$0" wrapped.py "$1"; exit $?', "{py}", "{mode}"],
+    "timeout": ["timeout", "600", "{py}", "wrapped.py", "{mode}"],
+    "env": ["env", "SAFESTRATEGY_CACHE_DIR={cache}", "{py}", "wrapped.py", "{mode}"],
+}
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+@pytest.mark.parametrize("mode", ["stall", "crash"])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_training_behind_a_wrapper_is_judged_and_relaunched(tmp_path, wrapper, mode):
+    (tmp_path / "wrapped.py").write_text(WRAPPED.format(root=str(ROOT)))
+    script = tmp_path / "train.sh"
+    script.write_text(f'#!/bin/sh\n"{sys.executable}" wrapped.py "$1"\ncode=$?\nexit $code\n')
+    script.chmod(0o755)
+    own = tmp_path / "own-cache"  # the "env" wrapper's: the training's, not run's
+    command = [part.format(py=sys.executable, mode=mode, cache=own) for part in WRAPPERS[wrapper]]
+    code = "import os, sys; os.environ['RUN_PID'] = str(os.getpid()); "
+    code += "from safestrategy import run; sys.exit(run.main(sys.argv[1:]))"
+    env = {"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"), "SAFESTRATEGY_BACKEND": LISTED}
+    done = subprocess.run(
+        [sys.executable, "-c", code, "--grace", "2", "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        cwd=str(tmp_path),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    trainings = re.findall(r"^TRAINING (\S+) (\S+)$", done.stdout, re.MULTILINE)
+    grandchild = wrapper != "env"  # env execs the training: it is the child itself
+    assert trainings == [("hierarchical_copy", str(grandchild)), ("reduce_to_cpu", str(grandchild))]
+    ended = "stalled on hierarchical_copy" if mode == "stall" else "crashed on hierarchical_copy"
+    assert f"launch 2 of 4: training {ended}" in done.stderr
+    if mode == "crash":  # run wrote the record where the training reads, whatever its cache
+        cache = own if wrapper == "env" else tmp_path / "cache"
+        assert [s.backend for _, _, s in stalls.every(str(cache))] == ["hierarchical_copy"]
+
+
+#: A training that says it finished (the heartbeat's atexit) and then hangs at exit, as a
+#: gRPC teardown can: an atexit handler registered before it runs after it.
+HANGS_AT_EXIT = """
+import atexit, os, sys, time
+sys.path.insert(0, {root!r})
+atexit.register(time.sleep, 600)
+from safestrategy import _rundir
+_rundir.decision({{"backend": "reduce_to_cpu", "devices": ["/cpu:0", "/cpu:1"]}})
+print("CHILD", os.getpid(), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_a_training_that_finished_but_hangs_at_exit_is_ended_after_grace(tmp_path):
+    with supervising(tmp_path, HANGS_AT_EXIT.format(root=str(ROOT)), "--grace", "1") as (
+        supervisor,
+        child,
+    ):
+        assert supervisor.wait(timeout=60) == 137
+        assert gone(child)
+        said = supervisor.stderr.read()
+    assert f"the training (pid {child}) said it finished over 1 s ago and has not exited" in said
+    assert "hung at exit" in said and "launch 2" not in said
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_runs_keeps_the_last_20_launches(tmp_path):
+    runs = tmp_path / "runs"
+    for number in range(25):
+        old = runs / f"20260101-000000-{number:02d}" / "launch-0"
+        old.mkdir(parents=True)
+        os.utime(str(old), (1e9 + number, 1e9 + number))
+    done = run_python(
+        "-m", "safestrategy", "run", "--", sys.executable, "-c", "pass",
+        env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path)}, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    left = sorted(p.parent.name for p in runs.glob("*/launch-*"))
+    assert len(left) == 20 and len(list(runs.iterdir())) == 20
+    assert "20260101-000000-05" not in left and "20260101-000000-06" in left  # oldest gone
