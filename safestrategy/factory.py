@@ -64,11 +64,11 @@ def _request(
 
 
 def _devices_for(tf: Any, requested: Optional[Tuple[Device, ...]]) -> Tuple[Device, ...]:
-    """The devices to mirror over, every one of them real in this process (``ValueError``)."""
-    visible = _tf.visible_devices(tf)
+    """The devices to mirror over: the requested ones, every one of them real in this process
+    (``ValueError``), else those TensorFlow's own ``MirroredStrategy()`` would pick."""
     if requested is None:
-        return _tf.default_devices(tf, visible)
-    require_existing(requested, visible)
+        return _tf.default_devices(tf)
+    require_existing(requested, _tf.visible_devices(tf))
     return requested
 
 
