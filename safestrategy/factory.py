@@ -239,7 +239,9 @@ def make_mirrored_strategy(
     across the devices (timed on a gradient-like payload; within 3 % the
     earlier in that order). Other keyword arguments go to MirroredStrategy unchanged; a
     ``cross_device_ops`` (or TF 1.12 ``cross_tower_ops``) of your own is used
-    as given, with no probing.
+    as given, with no probing. With ``devices=None`` the devices are exactly those the
+    installed TensorFlow's own ``MirroredStrategy()`` picks (every logical GPU, else every
+    logical CPU on TF 2.1+ and ``/device:CPU:0`` on 1.12-2.0).
     """
     own_ops = kwargs.get("cross_device_ops", kwargs.get("cross_tower_ops"))
     if own_ops is not None and backend is not None:
