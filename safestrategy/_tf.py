@@ -263,10 +263,11 @@ def logical_gpus(tf: Any) -> Tuple[Device, ...]:
 
     experimental = getattr(getattr(tf, "config", None), "experimental", None)
     split = getattr(experimental, "get_virtual_device_configuration", None)
-    if split is None or getattr(context.context(), "_initialized", True):
+    visible = getattr(experimental, "get_visible_devices", None)
+    if split is None or visible is None or getattr(context.context(), "_initialized", True):
         count = context.num_gpus()
     else:
-        count = sum(len(split(gpu) or [gpu]) for gpu in experimental.get_visible_devices("GPU"))
+        count = sum(len(split(gpu) or [gpu]) for gpu in visible("GPU"))
     return tuple(Device("GPU", i) for i in range(count))
 
 
