@@ -296,8 +296,8 @@ class _Beats:
                 self.timeout = _timeout_in_force(self.where, self.default)
             if beat == _rundir.FINISHED:
                 self.finished.setdefault(pid, now)
-        quiet = [pid for pid, since in self.changed.items() if now - since > self.poll + 5]
-        for pid in _procs.stopped(quiet):
+        quiet = [pid for pid, since in self.changed.items() if now - since > 1.0]
+        for pid in _procs.stopped(quiet):  # a look only at those not heard for a second
             self.changed[pid] = now
 
     def starved(self, now: float) -> bool:

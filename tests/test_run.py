@@ -241,7 +241,8 @@ SCRIPT = str(ROOT / "tests" / "run_script.py")
 LISTED = "hierarchical_copy,reduce_to_cpu"
 
 
-def supervised(scenario, tmp_path, *options, timeout=300, **env):
+def supervised(scenario, tmp_path, *options, timeout=300, wrapper=(), **env):
+    """``run`` on tests/run_script.py ``scenario``, behind ``wrapper`` (a command prefix)."""
     settings = {
         "SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"),
         "SAFESTRATEGY_BACKEND": LISTED,
@@ -249,7 +250,7 @@ def supervised(scenario, tmp_path, *options, timeout=300, **env):
         "TF_CPP_MIN_LOG_LEVEL": "2",
         **env,
     }
-    args = ["-m", "safestrategy", "run", "--grace", "2", *options, "--"]
+    args = ["-m", "safestrategy", "run", "--grace", "2", *options, "--", *wrapper]
     return run_python(*args, sys.executable, SCRIPT, scenario, env=settings, timeout=timeout)
 
 
@@ -257,10 +258,10 @@ def backends(done):
     return re.findall(r"^BACKEND (\S+)$", done.stdout, re.MULTILINE)
 
 
-def relaunched_once(scenario, tmp_path):
+def relaunched_once(scenario, tmp_path, wrapper=()):
     """``scenario`` under ``run``: trouble on the first launch, a clean second on the next
     backend of the list; the finished run."""
-    done = supervised(scenario, tmp_path)
+    done = supervised(scenario, tmp_path, wrapper=wrapper)
     assert done.returncode == 0, done.stderr[-3000:]
     assert backends(done) == ["hierarchical_copy", "reduce_to_cpu"]
     return done
@@ -268,7 +269,8 @@ def relaunched_once(scenario, tmp_path):
 
 @needs_tf
 def test_a_stalled_training_is_relaunched_on_the_next_backend_and_resumes(tf2, tmp_path):
-    done = relaunched_once("stall", tmp_path)
+    # behind bash -c: the real factory in a grandchild writes its own files
+    done = relaunched_once("stall", tmp_path, ["bash", "-c", '"$@"; exit $?', "bash"])
     assert "safestrategy run: launch 2 of 4: training stalled on hierarchical_copy" in done.stderr
     # BackupAndRestore: the relaunch runs only the epochs left after the last finished one
     assert re.findall(r"^EPOCHS (\d+)$", done.stdout, re.MULTILINE) == ["2"]
@@ -289,7 +291,7 @@ def test_resuming_a_custom_loop_from_its_checkpoint_manager(tf2, tmp_path):
 
 @needs_tf
 def test_an_nccl_error_is_a_crash_record_and_the_relaunch_takes_another_backend(tf2, tmp_path):
-    done = relaunched_once("crash", tmp_path)
+    done = relaunched_once("crash", tmp_path, ["timeout", "600"])  # a grandchild again
     assert "training crashed on hierarchical_copy" in done.stderr
     listing = run_python(
         "-m", "safestrategy", "records", env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache")}
@@ -323,6 +325,30 @@ def test_a_starved_watchdog_is_killed_recorded_and_relaunched(tf2, tmp_path):
     for pid in map(int, orphans):  # the grandchild that ignores SIGTERM, the probe process
         assert gone(pid), f"{pid} outlived the killed launch"
     assert "training went silent on hierarchical_copy (recorded)" in done.stderr
+
+
+@needs_tf
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_an_input_stall_is_reported_never_recorded_and_not_relaunched(tf2, tmp_path):
+    env = {
+        "SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"),
+        "SAFESTRATEGY_BACKEND": LISTED,
+        "SAFESTRATEGY_STALL_TIMEOUT": "3",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    script = str(ROOT / "tests" / "stall_script.py")
+    args = ["-m", "safestrategy", "run", "--grace", "2", "--", sys.executable, script, "input"]
+    done = run_python(*args, env=env, timeout=300)
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert "waiting for input data (an iterator's get_next, outside a step)" in done.stderr
+    assert "Not recorded against hierarchical_copy: the call is outside the all-reduce" in (
+        done.stderr
+    )
+    assert "training stalled waiting for input data" in done.stderr
+    assert "outside the all-reduce: nothing recorded" in done.stderr and "launch 2" not in (
+        done.stderr
+    )
+    assert stalls.every(str(tmp_path / "cache")) == []  # no backend demoted, on any launch
 
 
 # --- two workers, one run each (tests/run_mw_worker.py) ------------------------------------

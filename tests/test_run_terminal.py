@@ -6,13 +6,15 @@ is bounded, and every process a test started is killed by pid at its end."""
 import contextlib
 import os
 import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
 from safestrategy import _procs
 
-from .conftest import ROOT, gone
+from .conftest import ROOT, gone, read_line
 
 pexpect = pytest.importorskip("pexpect")  # the test extra has it wherever run runs (POSIX)
 
@@ -138,3 +140,30 @@ def test_a_background_run_leaves_the_terminal_to_the_shell(shell):
     shell.sendline('kill %1; wait $!; echo "WAITED $?"')
     shell.expect_exact("WAITED 143")
     assert gone(child)
+
+
+def test_a_training_stopped_alone_is_not_silent(tmp_path):
+    """SIGSTOP (or a debugger) to the training, not to run: time stopped is no silence."""
+    (tmp_path / "beating.py").write_text(BEATING.format(root=str(ROOT)))
+    env = dict(os.environ, SAFESTRATEGY_CACHE_DIR=str(tmp_path / "cache"))
+    env.update(SAFESTRATEGY_STALL_TIMEOUT="1", PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "safestrategy", "run", "--grace", "1", "--"]
+    supervisor = subprocess.Popen(
+        [*command, sys.executable, "beating.py"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=str(tmp_path),
+        universal_newlines=True,
+    )
+    try:
+        child = int(read_line(supervisor.stdout, WAIT, "the child's pid").split()[1])
+        os.kill(child, signal.SIGSTOP)
+        time.sleep(4)  # twice the stall timeout + grace
+        os.kill(child, signal.SIGCONT)
+        out, err = supervisor.communicate(timeout=WAIT)
+        assert supervisor.returncode == 0, err
+        assert "DONE" in out and "silent" not in err
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=30)
