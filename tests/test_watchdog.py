@@ -320,6 +320,46 @@ def test_a_forced_backend_is_used_with_a_warning(tf, caplog):
 
 
 @needs_tf
+def test_records_on_every_backend_that_passes_leave_the_last_in_use_with_one_warning(tf2, caplog):
+    """No record leaves a machine without a backend: the last recorded one in the order
+    that passes is used, one WARNING names the records, and its command forgets them."""
+    from safestrategy import cli
+    from safestrategy.backends import BACKEND_NAMES
+
+    from .test_verdicts import quoted_command
+
+    for name in BACKEND_NAMES:
+        recorded_stall(tf2, name)
+    with caplog.at_level(logging.WARNING, logger="safestrategy"):
+        safestrategy.make_mirrored_strategy(CPUS)
+    chosen = safestrategy.last_report()
+    assert chosen.backend == "reduce_to_cpu" and "used anyway" in chosen.reason
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "reduce_to_cpu, the last of them in the order, is used anyway" in warning
+    for name in BACKEND_NAMES:
+        assert f"{name} stalled during training on " in warning
+    args, argv = quoted_command(warning)
+    assert args == "--devices /cpu:0 /cpu:1 --refresh"
+    assert cli.main(argv) == 0  # the user runs the quoted command: the records are gone
+    factory._decisions.clear()
+    assert safestrategy.probe(CPUS).stalls == ()
+
+
+@needs_tf
+def test_launch_after_launch_on_records_never_ends_without_a_backend(tf2):
+    """As under ``run``: each launch's backend stalls and is recorded, and the next launch
+    still gets a backend, long after every one that passes has a record."""
+    passing = {c.name for c in safestrategy.probe(CPUS).candidates if c.status == "ok"}
+    used = []
+    for _ in range(len(passing) + 2):
+        factory._decisions.clear()
+        used.append(safestrategy.probe(CPUS).backend)
+        recorded_stall(tf2, used[-1])
+    assert set(used[: len(passing)]) == passing  # a new one each time while one is left
+    assert used[len(passing) :] == ["reduce_to_cpu", "reduce_to_cpu"]
+
+
+@needs_tf
 def test_refresh_forgets_the_stalls(tf):
     recorded_stall(tf, "hierarchical_copy")
     assert safestrategy.probe(CPUS).stalls

@@ -21,7 +21,7 @@ import logging
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _cache, _env, _machine, _tf
-from ..report import FAILED, CandidateResult, Report, Stall
+from ..report import FAILED, OK, CandidateResult, Report, Stall
 from . import nccl
 
 logger = logging.getLogger("safestrategy")
@@ -239,8 +239,42 @@ def verdict(
     return result
 
 
-def warn_forced(report: Report, setting: _env.Setting) -> None:
-    """A forced backend is used even though it stalled before: say so, once."""
+def anyway(result: CandidateResult, stall: Stall) -> CandidateResult:
+    """``result`` of a check run with ``stall``'s record set aside, as the report shows it
+    when it passed: the last resort (see :func:`warn`)."""
+    if result.status != OK:
+        return result
+    return result._replace(reason=f"{result.reason}; used although it {stall.happened()}")
+
+
+def last_resort(report: Report) -> bool:
+    """``report``'s backend has a record and was not forced: every candidate that passed
+    its check had one, and the last of them in the order was taken anyway."""
+    return report.mode != "forced" and any(s.backend == report.backend for s in report.stalls)
+
+
+def warn(report: Report, setting: _env.Setting, fresh: bool = True) -> None:
+    """A backend with a record is used: forced (a WARNING at each call), or the last resort
+    (one WARNING naming every record here and the command that forgets them; DEBUG when
+    the decision was remembered)."""
+    if last_resort(report):
+        order = [c.name for c in report.candidates]
+        ranked = sorted(
+            report.stalls,
+            key=lambda s: order.index(s.backend) if s.backend in order else len(order),
+        )
+        named = "; ".join(f"{stall.backend} {stall.happened()}" for stall in ranked)
+        logger.log(
+            logging.WARNING if fresh else logging.DEBUG,
+            "every all-reduce backend that passes its check on %s has a record of trouble "
+            "during training (%s): %s, the last of them in the order, is used anyway rather "
+            "than none. Expect it to stall again; if the trouble was not the all-reduce's "
+            "(input, a long first compile), `%s` forgets these records.",
+            ", ".join(report.devices),
+            named,
+            report.backend,
+            refresh_command(report.devices),
+        )
     for stall in report.stalls:
         if setting.mode == "forced" and stall.backend == report.backend:
             logger.warning(
