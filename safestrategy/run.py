@@ -162,6 +162,7 @@ def judge(
     backend, place = str(entry.get("backend")), stalls.place_of(entry)
     remedy = dict(entry.get("remedy") or {})  # type: ignore[call-overload]
     readable = place is not None and place.read
+    then = stalls.next_step(place, backend, remedy, entry.get("next_remedies"))
     if ended.starved:
         if not readable:
             why = (
@@ -169,7 +170,7 @@ def judge(
             )
             return Verdict(False, EXIT_STALL, ending, why)
         record = Record(place, backend, ended.seconds, remedy, "stall")  # type: ignore[arg-type]
-        why = f"training went silent on {backend} (recorded); the next decision avoids it"
+        why = f"training went silent on {backend} (recorded); {then}"
         return Verdict(True, EXIT_STALL, f"silent on {backend}", why, record)
     if ended.returncode == EXIT_STALL:
         stall = recorded(place, backend) if readable else None  # type: ignore[arg-type]
@@ -183,7 +184,7 @@ def judge(
             why += f"was written ({reason})"
             return Verdict(False, code, f"stalled on {backend}", why)
         why = f"training stalled on {backend} after {stall.seconds:g} s (recorded); "
-        why += "the next decision avoids it"
+        why += then
         return Verdict(True, code, f"stalled on {backend}", why)
     crash = _crash_signal(ended.returncode)
     inside = launch.beats is not None and launch.beats.endswith("inside")
@@ -201,7 +202,7 @@ def judge(
         why += f"({_unreadable(entry)})"
         return Verdict(False, code, f"crashed on {backend}", why)
     record = Record(place, backend, ended.seconds, remedy, "crash", cause)  # type: ignore[arg-type]
-    why = f"training crashed on {backend} ({cause}) (recorded); the next decision avoids it"
+    why = f"training crashed on {backend} ({cause}) (recorded); {then}"
     return Verdict(True, code, f"crashed on {backend}", why, record)
 
 

@@ -21,6 +21,7 @@ import logging
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _cache, _env, _machine, _tf
+from ..backends import COLLECTIVE, NCCL, RING
 from ..report import FAILED, OK, CandidateResult, Report, Stall
 from . import nccl
 
@@ -74,17 +75,64 @@ def decision_entry(
     """What a factory tells ``python -m safestrategy run`` of a strategy it built (the run
     directory's ``decision-<pid>.json``): enough to write its record without TensorFlow."""
     chosen = next((c for c in report.candidates if c.name == report.backend), None)
+    remedy = dict(chosen.remedy) if chosen is not None else {}
+    on_nccl = report.backend == NCCL or (
+        report.backend == COLLECTIVE and chosen is not None and "(NCCL requested)" in chosen.reason
+    )
     return {
         "backend": report.backend,
         "devices": list(report.devices),
         "mode": report.mode,
         "task": report.task,
         "tf_version": report.tf_version,
-        "remedy": dict(chosen.remedy) if chosen is not None else {},
+        "remedy": remedy,
         "place": None if place is None else {"kind": place.kind, "key": dict(place.key)},
         "read": place is not None and place.read,
         "stall_timeout": stall_timeout,
+        #: what a next decision retries after a record of this strategy, before moving on
+        "next_remedies": _next_remedies(remedy) if on_nccl else [],
     }
+
+
+def _next_remedies(remedy: Mapping[str, str]) -> List[Dict[str, str]]:
+    """NCCL's remedies a next decision retries after a record made under ``remedy``: those
+    not tried yet, none the user set, none with ``SAFESTRATEGY_NCCL_REMEDIES=off``."""
+    try:
+        allowed = _env.resolve_switch(_env.ENV_NCCL_REMEDIES)
+    except ValueError:
+        allowed = False
+    return nccl.untried(remedy, nccl.user_remedies()) if allowed else []
+
+
+def next_step(
+    place: Optional[Place], backend: str, remedy: Mapping[str, str], remedies: Any = None
+) -> str:
+    """What the next decision does after a record of ``backend`` made under ``remedy`` at
+    ``place``, in words (``run``'s relaunch line). ``remedies``: the NCCL remedies it retries
+    first, as a decision entry's ``next_remedies`` lists them (not a list, e.g. an entry
+    written before 0.4.1: those after ``remedy`` when ``backend`` is ``nccl``). Pure.
+
+    One machine: the untried remedies, then the next backend; a backend with a record is
+    avoided while another passes without one (none left: the last with a record, anyway).
+    Multi-worker: every worker together, the untried remedies, then RING, which no record
+    fails."""
+    if not isinstance(remedies, list):
+        remedies = nccl.untried(remedy, {}) if backend == NCCL else []
+    remedies = [env for env in remedies if isinstance(env, dict)]
+    tries = ", then with ".join(
+        ", ".join(f"{name}={value}" for name, value in env.items()) for env in remedies
+    )
+    if place is not None and place.kind == MULTIWORKER_KIND and backend == RING:
+        return "ring, the last resort, is never failed by a record: it is taken again"
+    if place is None or not place.read:
+        return "no next decision reads a record of it"
+    if place.kind == MULTIWORKER_KIND:
+        if tries:
+            return f"the next decision tries {backend} with {tries} on every worker, then ring"
+        return "the next decision takes ring on every worker"
+    if tries:
+        return f"the next decision tries {backend} with {tries}, then the next backend"
+    return f"the next decision avoids {backend} while another backend passes without a record"
 
 
 def place_of(entry: Mapping[str, Any]) -> Optional[Place]:
