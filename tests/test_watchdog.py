@@ -244,6 +244,22 @@ def test_an_nccl_stall_is_not_offered_collective_on_nccl_and_ring_gets_no_nccl_f
     assert "NCCL_P2P_DISABLE" not in text and "NCCL_DEBUG" not in text
 
 
+@pytest.mark.parametrize("mode", ["forced", "list"])
+def test_a_forced_or_listed_nccl_stall_is_never_offered_collective_on_gpus(mode):
+    """collective was not checked (absent from the setting, or not tried after nccl passed):
+    on GPUs it is NCCL again, so it is not what to try."""
+    candidates = (result("nccl", "ok"),)
+    if mode == "list":
+        candidates += (result("reduce_to_gpu", "not tried", "nccl was chosen"),)
+    text = stall_text("nccl", candidates, place=None, mode=mode)
+    switch = next(tip for tip in tips(text) if tip.startswith("another backend"))
+    assert "collective" not in switch
+    assert switch.startswith("another backend: SAFESTRATEGY_BACKEND=hierarchical_copy")
+    cpus = ("/device:CPU:0", "/device:CPU:1")  # on CPUs collective is RING: still offered
+    text = stall_text("reduce_to_cpu", (result("reduce_to_cpu", "ok"),), mode=mode, devices=cpus)
+    assert "collective" in next(tip for tip in tips(text) if tip.startswith("another backend"))
+
+
 def test_your_own_cross_device_ops_is_what_to_change_and_nothing_is_recorded():
     text = stall_text("ReductionToOneDevice", (), place=None, source="argument", mode="forced")
     assert "pass another cross_device_ops=" in text and "SAFESTRATEGY_BACKEND is ignored" in text
