@@ -362,7 +362,7 @@ def test_records_on_every_backend_that_passes_leave_the_last_in_use_with_one_war
 
 
 @needs_tf
-def test_launch_after_launch_on_records_never_ends_without_a_backend(tf2):
+def test_launch_after_launch_on_records_never_ends_without_a_backend(tf):
     """As under ``run``: each launch's backend stalls and is recorded, and the next launch
     still gets a backend, long after every one that passes has a record."""
     passing = {c.name for c in safestrategy.probe(CPUS).candidates if c.status == "ok"}
@@ -370,7 +370,7 @@ def test_launch_after_launch_on_records_never_ends_without_a_backend(tf2):
     for _ in range(len(passing) + 2):
         factory._decisions.clear()
         used.append(safestrategy.probe(CPUS).backend)
-        recorded_stall(tf2, used[-1])
+        recorded_stall(tf, used[-1])
     assert set(used[: len(passing)]) == passing  # a new one each time while one is left
     assert used[len(passing) :] == ["reduce_to_cpu", "reduce_to_cpu"]
 
