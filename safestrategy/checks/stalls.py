@@ -5,7 +5,11 @@ and withdraws it when the call finishes after all; a record that stays (the
 process was ended while stuck) makes the next ``auto`` or listed decision for
 this machine and device set treat that backend as failed. For NCCL (and a
 ``collective`` on NCCL), the remedy not tried yet comes first
-(:func:`verdict`), and those retries are verdicts like any other: cached.
+(:func:`verdict`), and those retries are verdicts like any other: cached. No
+record leaves a machine without a backend: when every candidate that passes
+has one, the chooser checks them with the record set aside and takes the last
+in the order (:func:`anyway`, :func:`warn`). :func:`next_step` says in words
+what a next decision does with a record (``run``'s relaunch line).
 
 Records live in the verdict cache (:mod:`safestrategy._cache`) in two key
 spaces (a :class:`Place`): one machine's (kind ``stall``: the machine, the
