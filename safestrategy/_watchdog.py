@@ -204,11 +204,16 @@ def stack_text(frame: Any, entry: Any) -> str:
 
 def _on_nccl(report: Report, name: str) -> bool:
     """Backend ``name`` of ``report`` all-reduces with NCCL: ``nccl``, or a ``collective``
-    that requested NCCL (the report says which it requested)."""
+    that requested NCCL (the report says which it requested), or one not checked here (a
+    forced or listed setting without it) on GPUs, where TF's collective runs NCCL."""
     if name in (NCCL, "NcclAllReduce"):
         return True
+    if name != COLLECTIVE:
+        return False
     result = next((c for c in report.candidates if c.name == name), None)
-    return name == COLLECTIVE and result is not None and "(NCCL requested)" in result.reason
+    if result is None or result.status == NOT_TRIED:
+        return any("GPU" in device.upper() for device in report.devices)
+    return "(NCCL requested)" in result.reason
 
 
 def _alternatives(report: Report) -> List[str]:

@@ -201,6 +201,9 @@ def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
 
     where = f"on {', '.join(report.devices)}"
     level = logging.WARNING if fresh else logging.DEBUG
+    if stalls.last_resort(report):  # one WARNING names every record (stalls.warn)
+        kept = tuple(c for c in report.candidates if c.name not in stalled)
+        report = report._replace(candidates=kept)
     choose.log_fallbacks(report, level, "all-reduce backend", where, override_hint(setting), note)
     logger.log(
         logging.INFO if fresh else logging.DEBUG,
@@ -259,7 +262,7 @@ def make_mirrored_strategy(
     else:
         report, fresh = _decide(request, None)
         _log(report, request.setting, fresh, request.nccl.timeout)
-        stalls.warn_forced(report, request.setting)
+        stalls.warn(report, request.setting, fresh)
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         if chosen is not None and chosen.remedy:
             nccl.apply_remedy(chosen.remedy, report.devices)

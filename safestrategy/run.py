@@ -175,13 +175,14 @@ def judge(
     cache = entry.get("cache") if isinstance(entry.get("cache"), str) else None
     remedy = dict(entry.get("remedy") or {})  # type: ignore[call-overload]
     readable = place is not None and place.read
+    then = stalls.next_step(place, backend, remedy, entry.get("next_remedies"))
     if ended.starved:
         if not readable:
             why = f"training went silent on {backend}, and no record can help "
             why += f"({_unreadable(entry)})"
             return Verdict(False, EXIT_STALL, ending, why)
         record = Record(place, backend, ended.seconds, remedy, "stall", "", cache)  # type: ignore[arg-type]
-        why = f"training went silent on {backend} (recorded); the next decision avoids it"
+        why = f"training went silent on {backend} (recorded); {then}"
         return Verdict(True, EXIT_STALL, f"silent on {backend}", why, record)
     outside = next((s for s in launch.stalls if s.get("outside")), None)
     if ended.returncode == EXIT_STALL and outside is not None:
@@ -201,7 +202,7 @@ def judge(
             why += f"was written ({reason})"
             return Verdict(False, code, f"stalled on {backend}", why)
         why = f"training stalled on {backend} after {stall.seconds:g} s (recorded); "
-        why += "the next decision avoids it"
+        why += then
         return Verdict(True, code, f"stalled on {backend}", why)
     crash = _signal_of(ended.returncode, CRASH_SIGNALS)
     beat = launch.beat(entry.get("pid")) or ""
@@ -220,7 +221,7 @@ def judge(
         why += f"({_unreadable(entry)})"
         return Verdict(False, code, f"crashed on {backend}", why)
     record = Record(place, backend, ended.seconds, remedy, "crash", cause, cache)  # type: ignore[arg-type]
-    why = f"training crashed on {backend} ({cause}) (recorded); the next decision avoids it"
+    why = f"training crashed on {backend} ({cause}) (recorded); {then}"
     return Verdict(True, code, f"crashed on {backend}", why, record)
 
 

@@ -59,9 +59,9 @@ def test_a_recorded_stall_is_relaunched_and_an_unread_one_is_not():
     stalled = run.Ended(75, 700.0)
     verdict = run.judge(stalled, launch([decided()]), a_record)
     assert (verdict.relaunch, verdict.code, verdict.record) == (True, 75, None)
-    assert (
-        verdict.why
-        == "training stalled on nccl after 600 s (recorded); the next decision avoids it"
+    assert verdict.why == (
+        "training stalled on nccl after 600 s (recorded); the next decision tries nccl with "
+        "NCCL_P2P_DISABLE=1, then with NCCL_SHM_DISABLE=1, then the next backend"
     )
     for why in ("a forced backend is used whatever its records say", "one device has no"):
         entry = decided(read=False, place=None, unread=why)
@@ -69,6 +69,51 @@ def test_a_recorded_stall_is_relaunched_and_an_unread_one_is_not():
         assert not verdict.relaunch and verdict.code == 75 and f"({why})" in verdict.why
     unknown = run.judge(stalled, launch([decided()]), no_record)  # the watchdog could not tell
     assert not unknown.relaunch and "could not tell which strategy" in unknown.why
+
+
+P2P, SHM = {"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}
+WORKER = {"kind": stalls.MULTIWORKER_KIND, "key": {"task": "worker:1"}}
+
+
+def test_the_relaunch_line_says_what_the_next_decision_does():
+    """Not "avoids it" where the next decision tries the same backend with another remedy."""
+    crashed = run.Ended(-6, 42.0)
+
+    def why(**entry):
+        return run.judge(crashed, launch([decided(**entry)], "3 inside"), no_record).why
+
+    tail = "(killed by SIGABRT) (recorded); the next decision "
+    after_p2p = why(task="worker:1", place=WORKER, remedy=P2P, next_remedies=[SHM])
+    assert after_p2p.endswith(
+        tail + "tries nccl with NCCL_SHM_DISABLE=1 on every worker, then ring"
+    )
+    after_shm = why(task="worker:1", place=WORKER, remedy=SHM, next_remedies=[])
+    assert after_shm.endswith(tail + "takes ring on every worker")
+    assert why(remedy=P2P).endswith(  # an entry of 0.4.0, without next_remedies
+        tail + "tries nccl with NCCL_SHM_DISABLE=1, then the next backend"
+    )
+    assert why(backend="hierarchical_copy").endswith(
+        tail + "avoids hierarchical_copy while another backend passes without a record"
+    )
+
+
+def test_a_decision_entry_lists_the_remedies_a_next_decision_retries(monkeypatch):
+    from safestrategy.report import CandidateResult, Report
+
+    def entry(backend, reason="", remedy=None):
+        chosen = CandidateResult(backend, "ok", reason, remedy=remedy or {})
+        report = Report(
+            backend, "default", "auto", ("/gpu:0", "/gpu:1"), "Linux", "2.21.0", "tf2", (chosen,)
+        )
+        return stalls.decision_entry(report, None, 600.0)["next_remedies"]
+
+    assert entry("nccl") == [P2P, SHM] and entry("nccl", remedy=P2P) == [SHM]
+    assert entry("collective", "all 2 replicas got the right sum (NCCL requested)") == [P2P, SHM]
+    assert entry("collective", "all 2 replicas got the right sum (RING requested)") == []
+    monkeypatch.setenv("NCCL_SHM_DISABLE", "0")  # the user's own: never tried
+    assert entry("nccl") == [P2P]
+    monkeypatch.setenv("SAFESTRATEGY_NCCL_REMEDIES", "off")
+    assert entry("nccl") == []
 
 
 def test_an_allreduce_death_inside_a_tf_call_is_a_crash_record_and_a_relaunch():
