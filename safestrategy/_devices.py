@@ -46,6 +46,19 @@ def cpu_count(devices: Sequence[Device]) -> int:
     return max([device.index + 1 for device in devices if device.kind == "CPU"] or [1])
 
 
+def mirrored_default(
+    gpus: Sequence[Device], cpus: Sequence[Device], every_cpu: bool
+) -> Tuple[Device, ...]:
+    """What TensorFlow's own ``MirroredStrategy()`` mirrors over, from its logical devices.
+
+    Every logical GPU; else, where that release falls back to every logical CPU
+    (TF 2.1+), every one of them; else (TF 1.12-2.0) ``/device:CPU:0`` alone.
+    """
+    if gpus:
+        return tuple(gpus)
+    return tuple(cpus) if every_cpu and cpus else (Device("CPU", 0),)
+
+
 class Visible(NamedTuple):
     """The devices TensorFlow has in the caller's process (see ``_tf.visible_devices``)."""
 

@@ -24,7 +24,6 @@ ENV_PAYLOAD = "SAFESTRATEGY_PAYLOAD_MB"
 #: Set by ``python -m safestrategy run`` for its child (see :mod:`safestrategy._rundir`).
 ENV_RUN_DIR = "SAFESTRATEGY_RUN_DIR"
 ENV_RESTART = "SAFESTRATEGY_RESTART"
-ENV_RUN_PARENT = "SAFESTRATEGY_RUN_PARENT"
 ENV_RUN_GRACE = "SAFESTRATEGY_RUN_GRACE"
 #: TensorFlow's own variable naming the workers: read and validated by
 #: :mod:`safestrategy.multiworker.cluster`; here only its name (its presence picks the CLI's view).

@@ -1,14 +1,19 @@
-"""The run directory: what a child of ``python -m safestrategy run`` leaves for it to read.
+"""The run directory: what a training under ``python -m safestrategy run`` leaves for it.
 
-``run`` names a fresh directory for each launch in ``SAFESTRATEGY_RUN_DIR`` and
-its own pid in ``SAFESTRATEGY_RUN_PARENT``. Only the process ``run`` started
-writes there (its parent is ``run``; a grandchild that inherits the variables
-writes nothing), each file named with its pid:
+``run`` names a fresh directory for each launch in ``SAFESTRATEGY_RUN_DIR``.
+Every process that builds a strategy while it is set writes there, each file
+named with its pid, so the training may be any descendant of the command
+(``./train.sh``, ``bash -c``, ``env``, ``timeout``, ``nice``); a process that
+built none writes nothing, and safestrategy's probe processes are started
+without the variable:
 
 - ``decision-<pid>.json``: each factory call that built a strategy (backend,
-  devices, mode, where a record of it goes and whether a next decision reads it);
+  devices, mode, where a record of it goes, whether a next decision reads it and
+  if not why, the cache directory the training reads);
 - ``heartbeat-<pid>``: rewritten by the watchdog thread at each sample, a counter
   and whether some thread is inside a TensorFlow call; ``finished`` at a normal exit;
+- ``stall-<pid>.json``: a stall the watchdog reported (where it was, whether it
+  was recorded against a backend);
 - ``error-<pid>``: the last lines of an uncaught exception (its type and message, as
   Python prints them last);
 - ``fault-<pid>``: ``faulthandler``'s dump of every thread on a fatal signal.
@@ -28,9 +33,9 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
-from ._env import ENV_RUN_DIR, ENV_RUN_PARENT
+from ._env import ENV_RUN_DIR
 
 FINISHED = "finished"
 
@@ -41,17 +46,14 @@ _decisions: List[Dict[str, Any]] = []  # every strategy this process built
 
 
 def directory(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """This launch's run directory, if ``run`` started this very process; else None."""
+    """This launch's run directory, when ``run`` is above this process; else None."""
     environ = os.environ if environ is None else environ
-    where, parent = environ.get(ENV_RUN_DIR, "").strip(), environ.get(ENV_RUN_PARENT, "")
-    if not where or not parent.strip().isdigit() or int(parent) != os.getppid():
-        return None
-    return where
+    return environ.get(ENV_RUN_DIR, "").strip() or None
 
 
 def _write(name: str, text: str, suffix: str = "") -> None:
     where = directory()
-    if where is None:
+    if where is None or not _decisions:  # only a process that built a strategy writes
         return
     temporary = None
     try:
@@ -71,7 +73,7 @@ def decision(entry: Mapping[str, Any]) -> None:
     if directory() is None:
         return
     with _lock:
-        _decisions.append(dict(entry))
+        _decisions.append({**entry, "pid": os.getpid()})
         _write("decision", json.dumps(_decisions) + "\n", ".json")
     install()
 
@@ -79,6 +81,11 @@ def decision(entry: Mapping[str, Any]) -> None:
 def heartbeat(counter: int, inside: bool) -> None:
     """The watchdog's sample number, and whether some thread is inside a TF call."""
     _write("heartbeat", f"{counter} {'inside' if inside else 'outside'}\n")
+
+
+def stalled(entry: Mapping[str, Any]) -> None:
+    """A stall the watchdog reported: where it was, and whether it was recorded."""
+    _write("stall", json.dumps(dict(entry)) + "\n", ".json")
 
 
 def install() -> None:
@@ -106,29 +113,56 @@ def install() -> None:
 
 
 class Launch(NamedTuple):
-    """What one launch's child left in its run directory (see the module docstring)."""
+    """What one launch's processes left in its run directory (see the module docstring)."""
 
-    decisions: List[Dict[str, Any]]
-    beats: Optional[str]  #: the heartbeat's last text ("12 inside", "finished"), or None
+    decisions: List[Dict[str, Any]]  #: every strategy built, each with its process's "pid"
+    beats: Dict[int, str]  #: each process's last heartbeat ("12 inside", "finished"), by pid
     error: str  #: the last line of an uncaught exception, or ""
     fault: str  #: faulthandler's dump, or ""
+    stalls: Tuple[Dict[str, Any], ...] = ()  #: the stalls the watchdog reported
+
+    def beat(self, pid: Any) -> Optional[str]:
+        """The heartbeat of process ``pid``, or None."""
+        return self.beats.get(pid) if isinstance(pid, int) else None
+
+
+def _pid(name: str) -> Optional[int]:
+    digits = name.split("-", 1)[-1].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else None
 
 
 def read(where: str) -> Launch:
-    """Everything the children of one launch wrote in ``where`` (the supervisor's side)."""
+    """Everything the processes of one launch wrote in ``where`` (the supervisor's side)."""
+    texts: Dict[str, Dict[int, str]] = {}
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(where)):
+            kind, pid = name.split("-", 1)[0], _pid(name)
+            if pid is None or name.startswith("."):
+                continue
+            with contextlib.suppress(OSError), open(os.path.join(where, name)) as stream:
+                texts.setdefault(kind, {})[pid] = stream.read(65536)
 
-    def text(prefix: str) -> str:
-        parts = []
-        with contextlib.suppress(OSError):
-            for name in sorted(os.listdir(where)):
-                if name.startswith(f"{prefix}-"):
-                    with contextlib.suppress(OSError), open(os.path.join(where, name)) as stream:
-                        parts.append(stream.read(65536))
-        return "".join(parts)
+    def each(kind: str) -> List[Any]:
+        found = []
+        for text in texts.get(kind, {}).values():
+            with contextlib.suppress(ValueError):
+                value = json.loads(text)
+                found.extend(value if isinstance(value, list) else [value])
+        return [entry for entry in found if isinstance(entry, dict)]
 
-    decisions: List[Dict[str, Any]] = []
-    with contextlib.suppress(ValueError):
-        for line in text("decision").splitlines():
-            decisions.extend(json.loads(line) if line.strip() else [])
-    beats = text("heartbeat").strip() or None
-    return Launch(decisions, beats, text("error").strip(), text("fault").strip())
+    beats = {pid: text.strip() for pid, text in texts.get("heartbeat", {}).items()}
+    error = "".join(texts.get("error", {}).values()).strip()
+    fault = "".join(texts.get("fault", {}).values()).strip()
+    return Launch(each("decision"), beats, error, fault, tuple(each("stall")))
+
+
+def heartbeats(where: str) -> Dict[int, str]:
+    """Each process's last heartbeat in ``where``, by pid (what ``run`` polls)."""
+    beats = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(where):
+            pid = _pid(name) if name.startswith("heartbeat-") else None
+            if pid is not None:
+                with contextlib.suppress(OSError), open(os.path.join(where, name)) as stream:
+                    beats[pid] = stream.read(256).strip()
+    return beats

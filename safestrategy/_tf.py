@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
 
-from ._devices import Device, Visible, parse_device
+from ._devices import Device, Visible, mirrored_default, parse_device
 
 #: Distributions that provide the ``tensorflow`` module, most common first.
 TF_DISTRIBUTIONS = (
@@ -229,19 +229,54 @@ def visible_devices(tf: Any) -> Visible:
     return Visible(cpu, any_cpu=True, gpus_known=False)
 
 
-def default_devices(tf: Any, visible: Visible) -> Tuple[Device, ...]:
-    """What ``MirroredStrategy()`` mirrors over by default: every GPU, else the CPU.
+#: The first release whose own ``MirroredStrategy()`` falls back to every logical CPU:
+#: 2.1's ``all_local_devices`` returns ``config.list_logical_devices("GPU")`` or else
+#: ``config.list_logical_devices("CPU")``; 1.12-2.0 make ``/device:GPU:i`` for each of
+#: ``context.num_gpus()``, else ``/device:CPU:0`` (``local_devices_from_num_gpus``).
+EVERY_CPU_SINCE = Version("2.1")
 
-    Where the GPUs are not known (TF 1.12/1.13), they are counted as TF's own
-    ``MirroredStrategy()`` counts them, through its eager context.
+
+def mirrors_every_cpu(version: str) -> bool:
+    """Whether this release's ``MirroredStrategy()`` mirrors over every logical CPU where it
+    has no GPU (TF 2.1+), rather than over ``/device:CPU:0`` alone."""
+    return release(version) >= EVERY_CPU_SINCE
+
+
+def _logical(tf: Any, kind: str) -> Tuple[Device, ...]:
+    lister = getattr(tf.config, "list_logical_devices", None)
+    lister = lister or tf.config.experimental.list_logical_devices  # TF 2.0
+    return _parsed([d.name for d in lister(kind)])
+
+
+def logical_gpus(tf: Any) -> Tuple[Device, ...]:
+    """The GPUs TensorFlow's own ``MirroredStrategy()`` counts: its logical GPUs.
+
+    TF2: listed (this starts TF's runtime, as any strategy does). TF 1.14/1.15:
+    ``context.num_gpus()`` where the eager runtime has started; before that,
+    counted as it will count them without creating a device (which would fix
+    the process's GPU options): each visible GPU as many times as its
+    virtual-device configuration splits it. TF 1.12/1.13: ``context.num_gpus()``.
     """
-    if visible.gpus_known:
-        gpus = tuple(d for d in visible.devices if d.kind == "GPU")
-    else:
-        from tensorflow.python.eager import context
+    if tf.__version__.startswith("2."):
+        return _logical(tf, "GPU")
+    from tensorflow.python.eager import context
 
-        gpus = tuple(Device("GPU", i) for i in range(context.num_gpus()))
-    return gpus or (Device("CPU", 0),)
+    experimental = getattr(getattr(tf, "config", None), "experimental", None)
+    split = getattr(experimental, "get_virtual_device_configuration", None)
+    visible = getattr(experimental, "get_visible_devices", None)
+    if split is None or visible is None or getattr(context.context(), "_initialized", True):
+        count = context.num_gpus()
+    else:
+        count = sum(len(split(gpu) or [gpu]) for gpu in visible("GPU"))
+    return tuple(Device("GPU", i) for i in range(count))
+
+
+def default_devices(tf: Any) -> Tuple[Device, ...]:
+    """What this TensorFlow's own ``MirroredStrategy()`` mirrors over by default, by its
+    release's rule (:func:`safestrategy._devices.mirrored_default`)."""
+    every_cpu = mirrors_every_cpu(tf.__version__)
+    cpus = _logical(tf, "CPU") if every_cpu else ()
+    return mirrored_default(logical_gpus(tf), cpus, every_cpu)
 
 
 def build_info(tf: Any) -> Dict[str, Any]:

@@ -22,6 +22,7 @@ import fnmatch
 import itertools
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -86,13 +87,34 @@ WHERE = {
 }
 
 
+#: What to try for a stall outside the all-reduce, where no backend helps.
+OUTSIDE_TIP = (
+    "look where the stack waits: the input pipeline (a reader, a generator, a remote file "
+    "system) or your own code, not the all-reduce"
+)
+
+
 def classify(code: Any) -> Optional[str]:
     """The kind of TensorFlow execution call ``code`` is (:data:`ENTRY_POINTS`), or None."""
-    filename = code.co_filename.replace(os.sep, "/")
+    return _classify(code.co_filename, code.co_name)
+
+
+def _classify(filename: str, name: str) -> Optional[str]:
+    filename = filename.replace(os.sep, "/")
     for pattern, names, kind in _PATTERNS:
-        if (names is None or code.co_name in names) and fnmatch.fnmatchcase(filename, pattern):
+        if (names is None or name in names) and fnmatch.fnmatchcase(filename, pattern):
             return kind
     return None
+
+
+#: A frame line of a ``faulthandler`` dump: ``  File "/x/y.py", line 12 in name``.
+_FAULT_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+ in (?P<name>\S+)', re.MULTILINE)
+
+
+def in_tf_call(fault: str) -> bool:
+    """Whether a ``faulthandler`` dump shows a thread inside a TensorFlow execution call:
+    the evidence of a crash in a step when no heartbeat was written yet (the first one)."""
+    return any(_classify(m.group("file"), m.group("name")) for m in _FAULT_FRAME.finditer(fault))
 
 
 def outermost_call(frame: Any) -> Optional[Tuple[Any, str]]:
@@ -133,12 +155,16 @@ def advance(
     seen: Mapping[int, Tuple[Any, str]],
     now: float,
     timeout: float,
+    stopped: float = 0.0,
 ) -> Tuple[Dict[int, Watched], List[Event]]:
     """One sample: the threads' calls now (``seen``: thread -> (frame, kind)) against
     what was watched. A call is the same while its frame is the same object; one that
-    has run for ``timeout`` seconds fires once; a fired one that is gone has finished."""
+    has run for ``timeout`` seconds fires once; a fired one that is gone has finished.
+    ``stopped``: seconds the process was stopped since the last sample (Ctrl-Z, SIGSTOP,
+    a debugger), which no call has spent running."""
     watched: Dict[int, Watched] = {}
     events: List[Event] = []
+    state = {thread: old._replace(since=old.since + stopped) for thread, old in state.items()}
     for thread, old in state.items():
         current = seen.get(thread)
         if current is not None and current[0] is old.call:
@@ -178,11 +204,16 @@ def stack_text(frame: Any, entry: Any) -> str:
 
 def _on_nccl(report: Report, name: str) -> bool:
     """Backend ``name`` of ``report`` all-reduces with NCCL: ``nccl``, or a ``collective``
-    that requested NCCL (the report says which it requested)."""
+    that requested NCCL (the report says which it requested), or one not checked here (a
+    forced or listed setting without it) on GPUs, where TF's collective runs NCCL."""
     if name in (NCCL, "NcclAllReduce"):
         return True
+    if name != COLLECTIVE:
+        return False
     result = next((c for c in report.candidates if c.name == name), None)
-    return name == COLLECTIVE and result is not None and "(NCCL requested)" in result.reason
+    if result is None or result.status == NOT_TRIED:
+        return any("GPU" in device.upper() for device in report.devices)
+    return "(NCCL requested)" in result.reason
 
 
 def _alternatives(report: Report) -> List[str]:
@@ -266,10 +297,12 @@ def message(
     settings: _env.StallSettings,
     place: Optional[stalls.Place] = None,
     suspects: Sequence[Report] = (),
+    outside: bool = False,
 ) -> str:
     """The ERROR for a stall: how long, where, which backend and devices, what to try, and
     whether it is recorded (``place``: where; None: nothing is). ``report`` None with
-    ``suspects``: the stuck call's strategy could not be told among these."""
+    ``suspects``: the stuck call's strategy could not be told among these. ``outside``:
+    the call is outside the all-reduce (input, no strategy's call), which no backend cures."""
     headline = (
         f"training has made no progress for {seconds:.0f} s: thread {thread!r} has been in "
         f"one TensorFlow call for that long ({_env.ENV_STALL_TIMEOUT}={settings.timeout:g}), "
@@ -281,7 +314,12 @@ def message(
         closing = "Still waiting: if the call finishes after all, the record is withdrawn."
     else:
         closing = "Still waiting."
-    return _explained(headline, stack, report, nccl, closing, place, suspects)
+    if outside:
+        closing = (
+            f"Not recorded against {report.backend if report else 'a backend'}: the call is "
+            "outside the all-reduce, and another backend would wait the same way. " + closing
+        )
+    return _explained(headline, stack, report, nccl, closing, place, suspects, not outside)
 
 
 def _explained(
@@ -292,8 +330,10 @@ def _explained(
     closing: str,
     place: Optional[stalls.Place] = None,
     suspects: Sequence[Report] = (),
+    backends: bool = True,
 ) -> str:
-    """A stall's headline with where, which backend and devices, what to try, ``closing``."""
+    """A stall's headline with where, which backend and devices, what to try, ``closing``.
+    ``backends``: whether another backend is worth trying (not for a stall outside it)."""
     lines = [headline, "where (most recent call last):", stack]
     if report is not None:
         task = f"; this is {report.task} of {report.workers} workers" if report.task else ""
@@ -311,7 +351,8 @@ def _explained(
     settings_text = " ".join(f"{n}={v}" for n, v in sorted(nccl.items())) or "none set"
     lines.append(f"NCCL variables: {settings_text}")
     lines.append("what to try:")
-    lines.extend(f"  - {tip}" for tip in _tips(report, nccl))
+    tips = _tips(report, nccl) if backends else [OUTSIDE_TIP, *_tips(None, nccl)]
+    lines.extend(f"  - {tip}" for tip in tips)
     said = _recorded(report, place) if report is not None else None
     if said is not None:
         lines.append(said)
@@ -326,6 +367,14 @@ def _explained(
 def interval(timeout: float) -> float:
     """Seconds between samples: a fifth of the timeout, at most 5."""
     return min(5.0, timeout / 5)
+
+
+def stopped_for(elapsed: float, pause: float) -> float:
+    """Seconds a sample's sleep of ``pause`` overran by being stopped: its whole overrun
+    when that is over a second and over the pause itself (a stopped process, a debugger),
+    else 0 (a late wake-up is not a stop)."""
+    overrun = elapsed - pause
+    return overrun if overrun > max(1.0, pause) else 0.0
 
 
 class _Strategy(NamedTuple):
@@ -390,15 +439,22 @@ def _owner(frame: Any, watched: Sequence[_Strategy]) -> Optional[_Strategy]:
     ``fit``/``evaluate``/``predict`` whose ``distribute_strategy`` it is; None: not told."""
     if len(watched) == 1:
         return watched[0]
+    return _on_stack(frame, watched)
+
+
+def _on_stack(frame: Any, watched: Sequence[_Strategy]) -> Optional[_Strategy]:
+    """The watched strategy a frame of the stack ending at ``frame`` runs, or None."""
     by_id: Dict[int, _Strategy] = {}
     for entry in watched:
         strategy = entry.ref()
+        if strategy is None:  # gone: no frame runs it (and None is every frame's "no self")
+            continue
         by_id[id(strategy)] = entry
         with contextlib.suppress(Exception):
             by_id[id(strategy.extended)] = entry
     while frame is not None:
         owner = frame.f_locals.get("self")
-        found = by_id.get(id(owner))
+        found = by_id.get(id(owner)) if owner is not None else None
         if found is None and getattr(type(owner), "distribute_strategy", None) is not None:
             with contextlib.suppress(Exception):
                 found = by_id.get(id(owner.distribute_strategy))
@@ -406,6 +462,15 @@ def _owner(frame: Any, watched: Sequence[_Strategy]) -> Optional[_Strategy]:
             return {w.same: w for w in watched}.get(found.same, found)
         frame = frame.f_back
     return None
+
+
+def outside_allreduce(kind: str, frame: Any, watched: Sequence[_Strategy]) -> bool:
+    """Whether a stalled call of ``kind`` is outside every strategy's all-reduce, so that
+    no other backend can cure it: an iterator's ``get_next`` outside a step, or an eager op
+    that no strategy's call (``strategy.run``, Keras ``fit``) is running."""
+    if kind == INPUT:
+        return True
+    return kind == OP and (frame is None or _on_stack(frame, watched) is None)
 
 
 def _sample(me: int) -> Tuple[Dict[int, Tuple[Any, str]], Dict[int, Any]]:
@@ -426,10 +491,14 @@ def _run() -> None:
         settings = _settings
         if settings is None or settings.timeout is None:
             return  # turned off; watch() starts a new thread when it is turned on
-        time.sleep(interval(settings.timeout))
+        pause = interval(settings.timeout)
+        before = time.monotonic()
+        time.sleep(pause)
+        now = time.monotonic()
         seen, frames = _sample(me)
         _rundir.heartbeat(sample, inside=bool(seen))  # under `run` only: it judges silence
-        state, events = advance(state, seen, time.monotonic(), settings.timeout)
+        stopped = stopped_for(now - before, pause)
+        state, events = advance(state, seen, now, settings.timeout, stopped)
         for event in events:
             try:
                 _handle(event, frames.get(event.thread), settings)
@@ -471,6 +540,9 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
         return
     watched = _distinct()
     culprit = _owner(frame, watched)
+    outside = outside_allreduce(event.watched.kind, frame, watched)
+    if outside and culprit is not None:  # reported, never recorded against a backend
+        culprit = culprit._replace(place=None)
     stack = stack_text(frame, event.watched.call) if frame is not None else "  (gone)"
     thread = _thread_name(event.thread)
     text = message(
@@ -483,10 +555,13 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
         settings,
         culprit.place if culprit is not None else None,
         [w.report for w in watched] if culprit is None else (),
+        outside,
     )
     _stalled(text, culprit, event.seconds)
-    if culprit is not None and culprit.place is not None:
+    recorded = culprit is not None and culprit.place is not None
+    if recorded:
         _written[event.thread] = culprit
+    _rundir.stalled({"where": event.watched.kind, "outside": outside, "recorded": recorded})
     if settings.action == "exit":
         _exit()
 

@@ -33,6 +33,10 @@ from .report import FAILED, NOT_TRIED, OK, SKIPPED, TIMEOUT, CandidateResult, Re
 logger = logging.getLogger("safestrategy")
 
 SINGLE_DEVICE_REASON = "one device: there is nothing to all-reduce, so nothing was checked"
+LAST_RESORT_REASON = (
+    "every candidate that passed its check has a record of trouble during training: the "
+    "last of them in the order is used anyway, rather than none"
+)
 
 
 #: ``auto`` keeps an earlier candidate in the documented order over a faster one when
@@ -199,6 +203,7 @@ def decide(
     race: bool = True,
     why: Optional[Why] = None,
     recorded: Collection[str] = (),
+    anyway: Optional[Check] = None,
 ) -> Decision:
     """The decision, calling ``check(name)`` for smoke checks and ``time(names)`` to time.
 
@@ -208,7 +213,42 @@ def decide(
     times nothing, and decides afresh if the winner fails now. A list, a forced name, or
     an ``auto`` that does not race takes the first that passes in order, timing nothing,
     and says why in ``why``'s words (default :func:`explain`).
+
+    No record leaves a machine without a backend: when nothing passed and some candidates
+    failed on a record of trouble during training (``recorded``), ``anyway(name)`` checks
+    them with the record set aside, the last in the order first, and the first of them
+    that passes is used (:func:`_last_resort`).
     """
+    decision = _decide(setting, check, time, unavailable, remembered, race, why, recorded)
+    if decision.backend is None and anyway is not None:
+        return _last_resort(decision, recorded, anyway)
+    return decision
+
+
+def _last_resort(decision: Decision, recorded: Collection[str], anyway: Check) -> Decision:
+    """``decision`` (nothing passed), unless a candidate that failed on its record passes
+    with the record set aside: then the last such in the order, with its result."""
+    results = list(decision.results)
+    for index in reversed(range(len(results))):
+        if results[index].name in recorded and results[index].status not in (SKIPPED, OK):
+            result = anyway(results[index].name)
+            if result.status == OK:
+                results[index] = result
+                return Decision(result.name, LAST_RESORT_REASON, tuple(results))
+    return decision
+
+
+def _decide(
+    setting: Setting,
+    check: Check,
+    time: Optional[Timer],
+    unavailable: Optional[Mapping[str, str]],
+    remembered: Optional[Decision],
+    race: bool,
+    why: Optional[Why],
+    recorded: Collection[str],
+) -> Decision:
+    """:func:`decide` without its last resort."""
     racing = race and setting.mode == "auto"
     known: Dict[str, CandidateResult] = {}
     if racing and remembered is not None:

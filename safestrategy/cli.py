@@ -69,7 +69,10 @@ def _parser() -> argparse.ArgumentParser:
         "--backend", metavar="NAME", help="auto, one backend, or a comma-separated list"
     )
     parser.add_argument(
-        "--devices", nargs="+", metavar="D", help="devices to check (default: all GPUs, else CPU)"
+        "--devices",
+        nargs="+",
+        metavar="D",
+        help="devices to check (default: what MirroredStrategy() picks here: every GPU, else CPU)",
     )
     parser.add_argument("--timeout", type=float, metavar="S", help="seconds per smoke check")
     cache = parser.add_mutually_exclusive_group()

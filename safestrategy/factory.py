@@ -64,11 +64,11 @@ def _request(
 
 
 def _devices_for(tf: Any, requested: Optional[Tuple[Device, ...]]) -> Tuple[Device, ...]:
-    """The devices to mirror over, every one of them real in this process (``ValueError``)."""
-    visible = _tf.visible_devices(tf)
+    """The devices to mirror over: the requested ones, every one of them real in this process
+    (``ValueError``), else those TensorFlow's own ``MirroredStrategy()`` would pick."""
     if requested is None:
-        return _tf.default_devices(tf, visible)
-    require_existing(requested, visible)
+        return _tf.default_devices(tf)
+    require_existing(requested, _tf.visible_devices(tf))
     return requested
 
 
@@ -201,6 +201,9 @@ def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
 
     where = f"on {', '.join(report.devices)}"
     level = logging.WARNING if fresh else logging.DEBUG
+    if stalls.last_resort(report):  # one WARNING names every record (stalls.warn)
+        kept = tuple(c for c in report.candidates if c.name not in stalled)
+        report = report._replace(candidates=kept)
     choose.log_fallbacks(report, level, "all-reduce backend", where, override_hint(setting), note)
     logger.log(
         logging.INFO if fresh else logging.DEBUG,
@@ -239,7 +242,9 @@ def make_mirrored_strategy(
     across the devices (timed on a gradient-like payload; within 3 % the
     earlier in that order). Other keyword arguments go to MirroredStrategy unchanged; a
     ``cross_device_ops`` (or TF 1.12 ``cross_tower_ops``) of your own is used
-    as given, with no probing.
+    as given, with no probing. With ``devices=None`` the devices are exactly those the
+    installed TensorFlow's own ``MirroredStrategy()`` picks (every logical GPU, else every
+    logical CPU on TF 2.1+ and ``/device:CPU:0`` on 1.12-2.0).
     """
     own_ops = kwargs.get("cross_device_ops", kwargs.get("cross_tower_ops"))
     if own_ops is not None and backend is not None:
@@ -257,7 +262,7 @@ def make_mirrored_strategy(
     else:
         report, fresh = _decide(request, None)
         _log(report, request.setting, fresh, request.nccl.timeout)
-        stalls.warn_forced(report, request.setting)
+        stalls.warn(report, request.setting, fresh)
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         if chosen is not None and chosen.remedy:
             nccl.apply_remedy(chosen.remedy, report.devices)

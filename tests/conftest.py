@@ -47,7 +47,6 @@ LIBRARY_VARIABLES = (
     "SAFESTRATEGY_PAYLOAD_MB",
     "TF_XLA_FLAGS",
     "SAFESTRATEGY_RUN_DIR",
-    "SAFESTRATEGY_RUN_PARENT",
     "SAFESTRATEGY_RUN_GRACE",
     "SAFESTRATEGY_RESTART",
 )
@@ -105,6 +104,7 @@ def fake(monkeypatch, tmp_path, tf):
     visible = _devices.Visible((_devices.Device("CPU", 0), *gpus), any_cpu=True)
     monkeypatch.setattr(_probe, "CHILD_COMMAND", [sys.executable, FAKE_WORKER])
     monkeypatch.setattr(_tf, "visible_devices", lambda tf: visible)
+    monkeypatch.setattr(_tf, "logical_gpus", lambda tf: gpus)
     monkeypatch.setattr(_tf, "nccl_kernel_count", lambda tf: 1)
     return Fake(monkeypatch, tmp_path)
 

@@ -40,8 +40,8 @@ multiworker.local_facts = lambda tf: {**_real_facts(tf), "gpus": 1, "nccl_kernel
 def inside_a_call():
     """Whether this process's heartbeat says a thread is inside a TF call now (read as
     ``run`` reads it)."""
-    beats = _rundir.read(os.environ["SAFESTRATEGY_RUN_DIR"]).beats
-    return beats is not None and beats.endswith("inside")
+    beat = _rundir.heartbeats(os.environ["SAFESTRATEGY_RUN_DIR"]).get(os.getpid(), "")
+    return beat.endswith("inside")
 
 
 def value(step):

@@ -17,6 +17,8 @@ logical CPUs; a layer calls ``tf.py_function`` that sleeps as the scenario says.
   reduce_to_cpu); Keras ``fit`` on the first blocks its 5th step.
 - ``loop``: the same two strategies; a custom loop's traced ``tf.function`` step on
   the first blocks: no strategy shows on the stuck stack.
+- ``input``: a custom loop whose input pipeline (a generator) blocks between steps:
+  outside the all-reduce, so no backend is to blame.
 
 Lines starting with ``MARK`` carry ``time.time()`` so the test can time the ERROR.
 """
@@ -144,5 +146,16 @@ elif SCENARIO == "never":
         model.predict(x[:8], verbose=0)
         time.sleep(1.5 * T)
     print("DONE", flush=True)
+elif SCENARIO == "input":  # the input pipeline blocks between steps: outside the all-reduce
+
+    def batches():
+        yield np.ones((8, 4), np.float32)
+        mark("input blocks")
+        time.sleep(3600)
+        yield np.ones((8, 4), np.float32)
+
+    spec = tf.TensorSpec((8, 4), tf.float32)
+    for batch in tf.data.Dataset.from_generator(batches, output_signature=spec):
+        strategy.run(model, (batch,))
 else:
     raise SystemExit(f"unknown scenario {SCENARIO!r}")

@@ -48,6 +48,7 @@ LAYERS = {
         "safestrategy._devices",
         "safestrategy._env",
         "safestrategy._machine",
+        "safestrategy._procs",
         "safestrategy._rundir",
         "safestrategy._tf",
         "safestrategy.backends",

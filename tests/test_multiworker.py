@@ -23,6 +23,7 @@ from safestrategy import choose
 from safestrategy._env import Setting, resolve_communication
 from safestrategy.checks import nccl as _nccl
 from safestrategy.checks import probe as _probe
+from safestrategy.checks import stalls
 from safestrategy.multiworker import agree
 from safestrategy.multiworker import cluster as _cluster
 from safestrategy.multiworker import factory as multiworker
@@ -321,17 +322,55 @@ def test_a_record_on_one_worker_is_every_workers_and_ring_is_never_failed_by_one
     assert agree.recorded(hellos) == {"nccl": f"worker:1 recorded it: {stalled['happened']}"}
 
 
+P2P, SHM = {"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}
+
+
+def nccl_record(remedy=None):
+    """An NCCL record as a hello carries it (``remedy`` None: a 0.4.0 hello, which has none)."""
+    record = {"backend": "nccl", "happened": "stalled during training on 2026-12-02 after 600 s"}
+    return record if remedy is None else {**record, "remedy": remedy}
+
+
+def test_records_carry_their_remedy_and_every_worker_moves_on_to_the_next_untried_one():
+    def after(*records, **extra):
+        together = hellos(2, 2, **{"remedies": True, "user_nccl": [], **extra})
+        for task, record in zip(sorted(together), records):
+            together[task]["records"] = [record] if record else []
+        return agree.after_records(together)
+
+    assert after(nccl_record({})) == [P2P, SHM]
+    assert after(nccl_record()) == [P2P, SHM]  # a 0.4.0 worker's hello: no remedy said
+    assert after(nccl_record(P2P), nccl_record({})) == [SHM]  # the furthest any worker tried
+    assert after(None, nccl_record(SHM)) == []  # every remedy failed: RING
+    assert after(nccl_record(P2P), None, user_nccl=["NCCL_SHM_DISABLE"]) == []
+    assert after(nccl_record({}), None, remedies=False) == []
+    said = agree.recorded({"worker:0": {"records": [nccl_record(P2P)]}})
+    assert said["nccl"].endswith("after 600 s with NCCL_P2P_DISABLE=1")
+
+
+def test_the_hello_carries_the_remedy_a_record_was_made_under(tf, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_configs(2)[1])
+    workers = _cluster.read()
+    place = stalls.on_worker(tf, [str(a) for a in workers.workers], workers.task, read=True)
+    stalls.record(place, "nccl", 600.0, P2P)
+    stalls.record(place, "ring", 600.0, {})  # RING is never failed by a record: not carried
+    request = multiworker.Request(workers, resolve_communication("auto"), 3.0, True)
+    hello = multiworker._hello(request, {"records": multiworker.records(tf, workers)})
+    sent = json.loads(json.dumps(hello))  # as the rendezvous carries it
+    assert [r["remedy"] for r in sent["records"]] == [P2P]
+    assert agree.after_records({"worker:0": {}, "worker:1": sent}) == [SHM]
+
+
 def test_workers_agree_to_demote_a_communication_one_of_them_recorded(fake_mw):
-    """Worker 1's hello carries its NCCL record: both fail NCCL's first attempt on it and
-    retry with the remedy not tried yet, together."""
+    """Worker 1's hello carries its NCCL record, made under NCCL_P2P_DISABLE=1: both fail
+    NCCL on it and retry together with the remedy not tried yet, never the one that stalled."""
     fake_mw("ok")
-    stalled = {"backend": "nccl", "happened": "stalled during training on 2026-12-02 after 600 s"}
     results = decide_threads(
-        2, facts_of=lambda i: {**GPU_FACTS, "records": [stalled] if i == 1 else []}
+        2, facts_of=lambda i: {**GPU_FACTS, "records": [nccl_record(P2P)] if i == 1 else []}
     )
     for report in results.values():
         nccl = report.candidates[0]
-        assert (report.backend, nccl.remedy) == ("nccl", {"NCCL_P2P_DISABLE": "1"})
+        assert (report.backend, nccl.remedy) == ("nccl", SHM)
         assert "worker:1 recorded it: stalled during training" in nccl.reason
 
 

@@ -33,19 +33,25 @@ PLACE = {
 HERE = {"backend": "nccl", "devices": ["/device:GPU:0", "/device:GPU:1"], "mode": "auto"}
 
 
+PID = 4242  #: the training's pid in the tables below
+
+
 def decided(**fields):
-    return {**HERE, "place": PLACE, "read": True, "remedy": {}, **fields}
+    entry = {**HERE, "place": PLACE, "read": True, "remedy": {}, "pid": PID}
+    return {**entry, "unread": None, "cache": "/the/trainings/cache", **fields}
 
 
-def launch(decisions=(), beats=None, error="", fault=""):
-    return _rundir.Launch(list(decisions), beats, error, fault)
+def launch(decisions=(), beats=None, error="", fault="", stalled=()):
+    beats = {PID: beats} if beats is not None else {}
+    return _rundir.Launch(list(decisions), beats, error, fault, tuple(stalled))
 
 
-def no_record(place, backend):
+def no_record(place, backend, cache):
     return None
 
 
-def a_record(place, backend):
+def a_record(place, backend, cache):
+    assert cache == "/the/trainings/cache"  # where the training reads, not run's own cache
     return Stall(backend, 600.0, "2026-12-02T10:00:00+00:00")
 
 
@@ -53,19 +59,61 @@ def test_a_recorded_stall_is_relaunched_and_an_unread_one_is_not():
     stalled = run.Ended(75, 700.0)
     verdict = run.judge(stalled, launch([decided()]), a_record)
     assert (verdict.relaunch, verdict.code, verdict.record) == (True, 75, None)
-    assert (
-        verdict.why
-        == "training stalled on nccl after 600 s (recorded); the next decision avoids it"
+    assert verdict.why == (
+        "training stalled on nccl after 600 s (recorded); the next decision tries nccl with "
+        "NCCL_P2P_DISABLE=1, then with NCCL_SHM_DISABLE=1, then the next backend"
     )
-    for entry, why in (
-        (decided(mode="forced", read=False, place=None), "a forced backend"),
-        (decided(devices=["/device:GPU:0"], read=False, place=None), "one device"),
-        (decided(read=False, place=None), "your own cross_device_ops, or the cache off"),
-    ):
+    for why in ("a forced backend is used whatever its records say", "one device has no"):
+        entry = decided(read=False, place=None, unread=why)
         verdict = run.judge(stalled, launch([entry]), a_record)
-        assert not verdict.relaunch and verdict.code == 75 and why in verdict.why
+        assert not verdict.relaunch and verdict.code == 75 and f"({why})" in verdict.why
     unknown = run.judge(stalled, launch([decided()]), no_record)  # the watchdog could not tell
     assert not unknown.relaunch and "could not tell which strategy" in unknown.why
+
+
+P2P, SHM = {"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}
+WORKER = {"kind": stalls.MULTIWORKER_KIND, "key": {"task": "worker:1"}}
+
+
+def test_the_relaunch_line_says_what_the_next_decision_does():
+    """Not "avoids it" where the next decision tries the same backend with another remedy."""
+    crashed = run.Ended(-6, 42.0)
+
+    def why(**entry):
+        return run.judge(crashed, launch([decided(**entry)], "3 inside"), no_record).why
+
+    tail = "(killed by SIGABRT) (recorded); the next decision "
+    after_p2p = why(task="worker:1", place=WORKER, remedy=P2P, next_remedies=[SHM])
+    assert after_p2p.endswith(
+        tail + "tries nccl with NCCL_SHM_DISABLE=1 on every worker, then ring"
+    )
+    after_shm = why(task="worker:1", place=WORKER, remedy=SHM, next_remedies=[])
+    assert after_shm.endswith(tail + "takes ring on every worker")
+    assert why(remedy=P2P).endswith(  # an entry of 0.4.0, without next_remedies
+        tail + "tries nccl with NCCL_SHM_DISABLE=1, then the next backend"
+    )
+    assert why(backend="hierarchical_copy").endswith(
+        tail + "avoids hierarchical_copy while another backend passes without a record"
+    )
+
+
+def test_a_decision_entry_lists_the_remedies_a_next_decision_retries(monkeypatch):
+    from safestrategy.report import CandidateResult, Report
+
+    def entry(backend, reason="", remedy=None):
+        chosen = CandidateResult(backend, "ok", reason, remedy=remedy or {})
+        report = Report(
+            backend, "default", "auto", ("/gpu:0", "/gpu:1"), "Linux", "2.21.0", "tf2", (chosen,)
+        )
+        return stalls.decision_entry(report, None, 600.0)["next_remedies"]
+
+    assert entry("nccl") == [P2P, SHM] and entry("nccl", remedy=P2P) == [SHM]
+    assert entry("collective", "all 2 replicas got the right sum (NCCL requested)") == [P2P, SHM]
+    assert entry("collective", "all 2 replicas got the right sum (RING requested)") == []
+    monkeypatch.setenv("NCCL_SHM_DISABLE", "0")  # the user's own: never tried
+    assert entry("nccl") == [P2P]
+    monkeypatch.setenv("SAFESTRATEGY_NCCL_REMEDIES", "off")
+    assert entry("nccl") == []
 
 
 def test_an_allreduce_death_inside_a_tf_call_is_a_crash_record_and_a_relaunch():
@@ -114,6 +162,45 @@ def test_a_signal_to_run_a_silent_child_and_a_gone_peer():
         assert peer.why == f"a peer is gone ({quoted}); nothing recorded"
     alone = run.judge(run.Ended(1, 9.0), launch([decided()], "5 inside", error), no_record)
     assert alone.record is not None  # one machine: no peer to blame, the all-reduce crashed
+
+
+def test_a_stall_outside_the_allreduce_is_not_relaunched_and_run_says_where():
+    outside = {"where": "input", "outside": True, "recorded": False}
+    verdict = run.judge(run.Ended(75, 700.0), launch([decided()], stalled=[outside]), a_record)
+    assert (verdict.relaunch, verdict.code, verdict.record) == (False, 75, None)
+    assert verdict.why.startswith("training stalled waiting for input data (an iterator's")
+    assert "outside the all-reduce: nothing recorded" in verdict.why
+
+
+#: faulthandler's dump of a SIGABRT in the first step, before any heartbeat (TF 2.21).
+FAULT = """Fatal Python error: Aborted
+
+Thread 0x00007f1 (most recent call first):
+  File "/v/site-packages/tensorflow/python/eager/execute.py", line 53 in quick_execute
+  File "/v/site-packages/tensorflow/python/eager/def_function.py", line 833 in __call__
+  File "/home/me/train.py", line 40 in <module>
+"""
+
+
+def test_a_crash_in_the_first_step_is_told_by_the_fault_dump_before_any_heartbeat():
+    first = run.judge(run.Ended(-6, 3.0), launch([decided()], None, fault=FAULT), no_record)
+    assert first.relaunch and first.record.kind == "crash"
+    assert first.record.where == "/the/trainings/cache"  # the training's cache, not run's
+    python_only = FAULT.replace("/tensorflow/python/", "/mylib/")
+    outside = run.judge(run.Ended(-6, 3.0), launch([decided()], None, fault=python_only), no_record)
+    assert not outside.relaunch and outside.record is None
+
+
+def test_the_users_own_signal_is_named_as_the_reason():
+    for returncode, name in ((-2, "SIGINT"), (130, "SIGINT"), (131, "SIGQUIT"), (-9, "SIGKILL")):
+        verdict = run.judge(run.Ended(returncode, 5.0), launch([decided()], "3 inside"), a_record)
+        assert not verdict.relaunch
+        assert verdict.why == f"the training was ended by {name}, a signal from outside"
+    error = "Traceback (most recent call last):\n  ...\nKeyboardInterrupt"
+    interrupted = run.judge(run.Ended(1, 5.0), launch([decided()], "3 inside", error), a_record)
+    assert interrupted.why == "the training was interrupted (KeyboardInterrupt)"
+    to_run = run.judge(run.Ended(-2, 5.0, signalled=signal.SIGINT), launch([decided()]), a_record)
+    assert (to_run.code, to_run.why) == (130, "stopped by your SIGINT: not relaunched")
 
 
 #: What TF 2.21 raised in the survivor when its peer aborted mid-step (the two-worker test
@@ -187,7 +274,7 @@ def test_the_child_leaves_its_decision_heartbeat_and_error_and_a_grandchild_writ
     (launch_dir,) = (tmp_path / "cache" / "runs").glob("*/launch-0")
     left = _rundir.read(str(launch_dir))
     assert [d["backend"] for d in left.decisions] == ["reduce_to_cpu"]
-    assert left.beats == _rundir.FINISHED or left.beats == "7 inside"
+    assert list(left.beats.values()) in ([_rundir.FINISHED], ["7 inside"])
     assert left.error.strip() == "ValueError: the last words"
     assert len(list(launch_dir.glob("heartbeat-*"))) == 1  # the grandchild's 99 went nowhere
     assert run.NOT_CURABLE in done.stderr and "launches:" in done.stderr
@@ -199,7 +286,8 @@ SCRIPT = str(ROOT / "tests" / "run_script.py")
 LISTED = "hierarchical_copy,reduce_to_cpu"
 
 
-def supervised(scenario, tmp_path, *options, timeout=300, **env):
+def supervised(scenario, tmp_path, *options, timeout=300, wrapper=(), **env):
+    """``run`` on tests/run_script.py ``scenario``, behind ``wrapper`` (a command prefix)."""
     settings = {
         "SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"),
         "SAFESTRATEGY_BACKEND": LISTED,
@@ -207,7 +295,7 @@ def supervised(scenario, tmp_path, *options, timeout=300, **env):
         "TF_CPP_MIN_LOG_LEVEL": "2",
         **env,
     }
-    args = ["-m", "safestrategy", "run", "--grace", "2", *options, "--"]
+    args = ["-m", "safestrategy", "run", "--grace", "2", *options, "--", *wrapper]
     return run_python(*args, sys.executable, SCRIPT, scenario, env=settings, timeout=timeout)
 
 
@@ -215,10 +303,10 @@ def backends(done):
     return re.findall(r"^BACKEND (\S+)$", done.stdout, re.MULTILINE)
 
 
-def relaunched_once(scenario, tmp_path):
+def relaunched_once(scenario, tmp_path, wrapper=()):
     """``scenario`` under ``run``: trouble on the first launch, a clean second on the next
     backend of the list; the finished run."""
-    done = supervised(scenario, tmp_path)
+    done = supervised(scenario, tmp_path, wrapper=wrapper)
     assert done.returncode == 0, done.stderr[-3000:]
     assert backends(done) == ["hierarchical_copy", "reduce_to_cpu"]
     return done
@@ -226,7 +314,8 @@ def relaunched_once(scenario, tmp_path):
 
 @needs_tf
 def test_a_stalled_training_is_relaunched_on_the_next_backend_and_resumes(tf2, tmp_path):
-    done = relaunched_once("stall", tmp_path)
+    # behind bash -c: the real factory in a grandchild writes its own files
+    done = relaunched_once("stall", tmp_path, ["bash", "-c", '"$@"; exit $?', "bash"])
     assert "safestrategy run: launch 2 of 4: training stalled on hierarchical_copy" in done.stderr
     # BackupAndRestore: the relaunch runs only the epochs left after the last finished one
     assert re.findall(r"^EPOCHS (\d+)$", done.stdout, re.MULTILINE) == ["2"]
@@ -247,7 +336,7 @@ def test_resuming_a_custom_loop_from_its_checkpoint_manager(tf2, tmp_path):
 
 @needs_tf
 def test_an_nccl_error_is_a_crash_record_and_the_relaunch_takes_another_backend(tf2, tmp_path):
-    done = relaunched_once("crash", tmp_path)
+    done = relaunched_once("crash", tmp_path, ["timeout", "600"])  # a grandchild again
     assert "training crashed on hierarchical_copy" in done.stderr
     listing = run_python(
         "-m", "safestrategy", "records", env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache")}
@@ -281,6 +370,30 @@ def test_a_starved_watchdog_is_killed_recorded_and_relaunched(tf2, tmp_path):
     for pid in map(int, orphans):  # the grandchild that ignores SIGTERM, the probe process
         assert gone(pid), f"{pid} outlived the killed launch"
     assert "training went silent on hierarchical_copy (recorded)" in done.stderr
+
+
+@needs_tf
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_an_input_stall_is_reported_never_recorded_and_not_relaunched(tf2, tmp_path):
+    env = {
+        "SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"),
+        "SAFESTRATEGY_BACKEND": LISTED,
+        "SAFESTRATEGY_STALL_TIMEOUT": "3",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    script = str(ROOT / "tests" / "stall_script.py")
+    args = ["-m", "safestrategy", "run", "--grace", "2", "--", sys.executable, script, "input"]
+    done = run_python(*args, env=env, timeout=300)
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert "waiting for input data (an iterator's get_next, outside a step)" in done.stderr
+    assert "Not recorded against hierarchical_copy: the call is outside the all-reduce" in (
+        done.stderr
+    )
+    assert "training stalled waiting for input data" in done.stderr
+    assert "outside the all-reduce: nothing recorded" in done.stderr and "launch 2" not in (
+        done.stderr
+    )
+    assert stalls.every(str(tmp_path / "cache")) == []  # no backend demoted, on any launch
 
 
 # --- two workers, one run each (tests/run_mw_worker.py) ------------------------------------
@@ -545,3 +658,114 @@ def test_a_tf1_session_run_training_is_relaunched_on_the_next_backend(tf1, tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert backends(done) == ["hierarchical_copy", "reduce_to_cpu"]
     assert "training stalled on hierarchical_copy" in done.stderr
+
+
+# --- the training as any descendant of the command (no TensorFlow: the run directory's
+# seam, written as the factory and the watchdog write it) -------------------------------
+
+#: A training two wrappers down: its decision, heartbeat and record as the factory and the
+#: watchdog write them. Launch 0 stalls (a record, exit 75) or aborts inside a call; the
+#: relaunch trains on the next backend of the list and exits 0.
+WRAPPED = """
+import os, sys
+sys.path.insert(0, {root!r})
+from safestrategy import _rundir
+from safestrategy.checks import stalls
+cache = os.environ["SAFESTRATEGY_CACHE_DIR"]
+place = stalls.Place(stalls.KIND, {{"machine": "m", "devices": ["/cpu:0", "/cpu:1"]}}, True)
+first = os.environ["SAFESTRATEGY_RESTART"] == "0"
+backend = "hierarchical_copy" if first else "reduce_to_cpu"
+_rundir.decision({{"backend": backend, "devices": ["/cpu:0", "/cpu:1"], "mode": "list",
+                   "place": {{"kind": place.kind, "key": dict(place.key)}}, "read": True,
+                   "unread": None, "cache": cache, "remedy": {{}}, "stall_timeout": 600}})
+_rundir.heartbeat(1, inside=True)
+print("TRAINING", backend, os.getppid() != int(os.environ["RUN_PID"]), flush=True)
+if first and sys.argv[1] == "stall":
+    stalls.record(place, backend, 5.0, {{}})
+    os._exit(75)
+if first:
+    os.abort()
+"""
+
+#: How the command wraps the training (``{py}``: this interpreter, ``{mode}``).
+WRAPPERS = {
+    "script": ["./train.sh", "{mode}"],
+    "bash -c": ["bash", "-c", '"$0" wrapped.py "$1"; exit $?', "{py}", "{mode}"],
+    "timeout": ["timeout", "600", "{py}", "wrapped.py", "{mode}"],
+    "env": ["env", "SAFESTRATEGY_CACHE_DIR={cache}", "{py}", "wrapped.py", "{mode}"],
+}
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+@pytest.mark.parametrize("mode", ["stall", "crash"])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_training_behind_a_wrapper_is_judged_and_relaunched(tmp_path, wrapper, mode):
+    (tmp_path / "wrapped.py").write_text(WRAPPED.format(root=str(ROOT)))
+    script = tmp_path / "train.sh"
+    script.write_text(f'#!/bin/sh\n"{sys.executable}" wrapped.py "$1"\ncode=$?\nexit $code\n')
+    script.chmod(0o755)
+    own = tmp_path / "own-cache"  # the "env" wrapper's: the training's, not run's
+    command = [part.format(py=sys.executable, mode=mode, cache=own) for part in WRAPPERS[wrapper]]
+    code = "import os, sys; os.environ['RUN_PID'] = str(os.getpid()); "
+    code += "from safestrategy import run; sys.exit(run.main(sys.argv[1:]))"
+    env = {"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"), "SAFESTRATEGY_BACKEND": LISTED}
+    done = subprocess.run(
+        [sys.executable, "-c", code, "--grace", "2", "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+        cwd=str(tmp_path),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    trainings = re.findall(r"^TRAINING (\S+) (\S+)$", done.stdout, re.MULTILINE)
+    grandchild = wrapper != "env"  # env execs the training: it is the child itself
+    assert trainings == [("hierarchical_copy", str(grandchild)), ("reduce_to_cpu", str(grandchild))]
+    ended = "stalled on hierarchical_copy" if mode == "stall" else "crashed on hierarchical_copy"
+    assert f"launch 2 of 4: training {ended}" in done.stderr
+    if mode == "crash":  # run wrote the record where the training reads, whatever its cache
+        cache = own if wrapper == "env" else tmp_path / "cache"
+        assert [s.backend for _, _, s in stalls.every(str(cache))] == ["hierarchical_copy"]
+
+
+#: A training that says it finished (the heartbeat's atexit) and then hangs at exit, as a
+#: gRPC teardown can: an atexit handler registered before it runs after it.
+HANGS_AT_EXIT = """
+import atexit, os, sys, time
+sys.path.insert(0, {root!r})
+atexit.register(time.sleep, 600)
+from safestrategy import _rundir
+_rundir.decision({{"backend": "reduce_to_cpu", "devices": ["/cpu:0", "/cpu:1"]}})
+print("CHILD", os.getpid(), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_a_training_that_finished_but_hangs_at_exit_is_ended_after_grace(tmp_path):
+    with supervising(tmp_path, HANGS_AT_EXIT.format(root=str(ROOT)), "--grace", "1") as (
+        supervisor,
+        child,
+    ):
+        assert supervisor.wait(timeout=60) == 137
+        assert gone(child)
+        said = supervisor.stderr.read()
+    assert f"the training (pid {child}) said it finished over 1 s ago and has not exited" in said
+    assert "hung at exit" in said and "launch 2" not in said
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_runs_keeps_the_last_20_launches(tmp_path):
+    runs = tmp_path / "runs"
+    for number in range(25):
+        old = runs / f"20260101-000000-{number:02d}" / "launch-0"
+        old.mkdir(parents=True)
+        os.utime(str(old), (1e9 + number, 1e9 + number))
+    done = run_python(
+        "-m", "safestrategy", "run", "--", sys.executable, "-c", "pass",
+        env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path)}, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    left = sorted(p.parent.name for p in runs.glob("*/launch-*"))
+    assert len(left) == 20 and len(list(runs.iterdir())) == 20
+    assert "20260101-000000-05" not in left and "20260101-000000-06" in left  # oldest gone

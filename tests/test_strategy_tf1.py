@@ -139,6 +139,23 @@ def test_forced_hierarchical_copy_on_three_devices_is_refused(tf1):
         safestrategy.make_mirrored_strategy(cpus(3), backend="hierarchical_copy")
 
 
+def test_by_default_it_mirrors_over_what_stock_mirrored_strategy_does(tf1):
+    # TF 1.x counts GPUs (none here), else takes /device:CPU:0 alone, even where the
+    # session has two CPUs. Ours first: on 1.15 it counts before TF's runtime has started.
+    module = tf1.contrib.distribute if contrib(tf1) else tf1.distribute
+
+    def devices(strategy):
+        return tuple(getattr(strategy, "extended", strategy).worker_devices)
+
+    def replicas(strategy):
+        return getattr(strategy, "num_replicas_in_sync", None) or strategy.num_towers
+
+    with tf1.Graph().as_default(), tf1.Session(config=session_config(tf1, 2)):
+        ours, stock = safestrategy.make_mirrored_strategy(), module.MirroredStrategy()
+        assert (devices(ours), replicas(ours)) == (devices(stock), replicas(stock))
+    assert safestrategy.last_report().devices == ("/device:CPU:0",)
+
+
 def test_the_strategy_class_matches_the_tf_era(tf1):
     strategy = safestrategy.make_mirrored_strategy(cpus(2), backend="reduce_to_cpu")
     module = tf1.contrib.distribute if contrib(tf1) else tf1.distribute

@@ -17,7 +17,7 @@ from safestrategy.checks import probe as _probe
 from safestrategy.checks import runner
 from safestrategy.choose import fastest
 
-from .conftest import cpus, run_python
+from .conftest import LOGICAL_CPUS, cpus, run_python
 
 SEED_ERROR = "No OpKernel was registered to support Op 'NcclAllReduce'"
 LOGGER = "safestrategy"
@@ -167,6 +167,18 @@ def test_one_device_needs_no_probe(tf2, monkeypatch):
     strategy = safestrategy.make_mirrored_strategy(["/cpu:0"])
     assert strategy.num_replicas_in_sync == 1
     assert {c.status for c in safestrategy.last_report().candidates} == {"not_tried"}
+
+
+def test_by_default_it_mirrors_over_what_stock_mirrored_strategy_does(tf2):
+    # no GPU here: every logical CPU on TF 2.1+ (the fixture's 3), CPU:0 alone on 2.0
+    # (ReductionToOneDevice: no collective of TF 2.13+'s default beside ours in this process)
+    stock = tf2.distribute.MirroredStrategy(cross_device_ops=tf2.distribute.ReductionToOneDevice())
+    ours = safestrategy.make_mirrored_strategy()
+    assert ours.extended.worker_devices == stock.extended.worker_devices
+    assert ours.num_replicas_in_sync == stock.num_replicas_in_sync
+    replicas = LOGICAL_CPUS if Version(tf2.__version__).release[:2] >= (2, 1) else 1
+    assert stock.num_replicas_in_sync == replicas
+    assert safestrategy.last_report().devices == tuple(f"/device:CPU:{i}" for i in range(replicas))
 
 
 BESIDE_YOUR_DEFAULT_STRATEGY = """

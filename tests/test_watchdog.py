@@ -244,6 +244,22 @@ def test_an_nccl_stall_is_not_offered_collective_on_nccl_and_ring_gets_no_nccl_f
     assert "NCCL_P2P_DISABLE" not in text and "NCCL_DEBUG" not in text
 
 
+@pytest.mark.parametrize("mode", ["forced", "list"])
+def test_a_forced_or_listed_nccl_stall_is_never_offered_collective_on_gpus(mode):
+    """collective was not checked (absent from the setting, or not tried after nccl passed):
+    on GPUs it is NCCL again, so it is not what to try."""
+    candidates = (result("nccl", "ok"),)
+    if mode == "list":
+        candidates += (result("reduce_to_gpu", "not tried", "nccl was chosen"),)
+    text = stall_text("nccl", candidates, place=None, mode=mode)
+    switch = next(tip for tip in tips(text) if tip.startswith("another backend"))
+    assert "collective" not in switch
+    assert switch.startswith("another backend: SAFESTRATEGY_BACKEND=hierarchical_copy")
+    cpus = ("/device:CPU:0", "/device:CPU:1")  # on CPUs collective is RING: still offered
+    text = stall_text("reduce_to_cpu", (result("reduce_to_cpu", "ok"),), mode=mode, devices=cpus)
+    assert "collective" in next(tip for tip in tips(text) if tip.startswith("another backend"))
+
+
 def test_your_own_cross_device_ops_is_what_to_change_and_nothing_is_recorded():
     text = stall_text("ReductionToOneDevice", (), place=None, source="argument", mode="forced")
     assert "pass another cross_device_ops=" in text and "SAFESTRATEGY_BACKEND is ignored" in text
@@ -317,6 +333,47 @@ def test_a_forced_backend_is_used_with_a_warning(tf, caplog):
             safestrategy.make_mirrored_strategy(CPUS, backend="reduce_to_cpu")
             assert "stalled during training" in caplog.text and "forced" in caplog.text
     assert chosen.backend == "reduce_to_cpu"
+
+
+@needs_tf
+def test_records_on_every_backend_that_passes_leave_the_last_in_use_with_one_warning(tf2, caplog):
+    """No record leaves a machine without a backend: the last recorded one in the order
+    that passes is used, one WARNING names the records, and its command forgets them."""
+    from safestrategy import cli
+    from safestrategy.backends import BACKEND_NAMES
+
+    from .test_verdicts import quoted_command
+
+    for name in BACKEND_NAMES:
+        recorded_stall(tf2, name)
+    with caplog.at_level(logging.WARNING, logger="safestrategy"):
+        safestrategy.make_mirrored_strategy(CPUS)
+    chosen = safestrategy.last_report()
+    assert chosen.backend == "reduce_to_cpu" and "used anyway" in chosen.reason
+    ours = [r for r in caplog.records if r.name == "safestrategy"]
+    (warning,) = [r.getMessage() for r in ours if r.levelno >= logging.WARNING]
+    assert "reduce_to_cpu, the last of them in the order, is used anyway" in warning
+    for name in BACKEND_NAMES:
+        assert f"{name} stalled during training on " in warning
+    args, argv = quoted_command(warning)
+    assert args == "--devices /cpu:0 /cpu:1 --refresh"
+    assert cli.main(argv) == 0  # the user runs the quoted command: the records are gone
+    factory._decisions.clear()
+    assert safestrategy.probe(CPUS).stalls == ()
+
+
+@needs_tf
+def test_launch_after_launch_on_records_never_ends_without_a_backend(tf):
+    """As under ``run``: each launch's backend stalls and is recorded, and the next launch
+    still gets a backend, long after every one that passes has a record."""
+    passing = {c.name for c in safestrategy.probe(CPUS).candidates if c.status == "ok"}
+    used = []
+    for _ in range(len(passing) + 2):
+        factory._decisions.clear()
+        used.append(safestrategy.probe(CPUS).backend)
+        recorded_stall(tf, used[-1])
+    assert set(used[: len(passing)]) == passing  # a new one each time while one is left
+    assert used[len(passing) :] == ["reduce_to_cpu", "reduce_to_cpu"]
 
 
 @needs_tf
@@ -537,3 +594,58 @@ def test_a_collective_timeout_the_user_set_is_reported_like_a_stall(tf, monkeypa
     assert recorded == [(_stalls.MULTIWORKER_KIND, "ring")]
     sys.excepthook(ValueError, ValueError("other"), None)  # other errors: only Python's report
     assert len(before) == 2 and len(caplog.records) == 1
+
+
+def test_time_stopped_is_no_calls_time():
+    """Ctrl-Z, SIGSTOP or a debugger stop the watchdog's thread with the rest: its sleep
+    overruns by the time stopped, which no call spent running."""
+    assert _watchdog.stopped_for(5.2, 5.0) == 0.0  # a late wake-up is not a stop
+    assert _watchdog.stopped_for(65.0, 5.0) == 60.0
+    assert _watchdog.stopped_for(3.0, 0.2) == pytest.approx(2.8)
+    call = object()
+    state, _ = advance({}, {1: (call, STEP)}, 0.0, 10.0)
+    state, events = advance(state, {1: (call, STEP)}, 65.0, 10.0, stopped=60.0)
+    assert events == [] and state[1].since == 60.0  # 5 s of running, not 65
+    state, events = advance(state, {1: (call, STEP)}, 71.0, 10.0)
+    assert [e.what for e in events] == ["stalled"]
+
+
+def test_a_stall_outside_the_allreduce_is_reported_and_never_recorded():
+    watched = [_watchdog._Strategy(lambda: None, report(), None)]
+    assert _watchdog.outside_allreduce(INPUT, None, watched)
+    user = types.SimpleNamespace(f_code=code("/me/train.py", "<module>"), f_locals={}, f_back=None)
+    assert _watchdog.outside_allreduce(OP, user, watched)  # an eager op no strategy runs
+    assert not _watchdog.outside_allreduce(STEP, None, watched)
+    settings = _env.StallSettings(600.0, "exit")
+    text = _watchdog.message(
+        615, INPUT, "MainThread", "  stack", report(), {}, settings, outside=True
+    )
+    assert "Not recorded against nccl: the call is outside the all-reduce" in text
+    assert _watchdog.OUTSIDE_TIP in text and "another backend:" not in text
+    assert "NCCL's own fixes" not in text
+
+
+@pytest.mark.parametrize(
+    "fields, place, said",
+    [
+        ({"mode": "forced"}, None, "your own cross_device_ops is used as given"),
+        ({"candidates": (result("nccl", "ok"),), "mode": "forced"}, None, "a forced backend"),
+        ({"candidates": (result("nccl", "ok"),), "devices": ("/gpu:0",)}, None, "one device"),
+        ({"candidates": (result("ring", "ok"),), "task": "worker:0"}, "unread", "RING"),
+        ({"candidates": (result("nccl", "ok"),)}, "read", None),
+    ],
+    ids=["own-ops", "forced", "one-device", "ring", "read"],
+)
+def test_the_decision_names_the_one_reason_no_record_is_read(fields, place, said):
+    places = {
+        "read": _stalls.Place(_stalls.KIND, {}, True),
+        "unread": _stalls.Place("x", {}, False),
+    }
+    why = _stalls.unread(report(**fields), places.get(place))
+    assert (why is None) if said is None else why.startswith(said)
+
+
+def test_with_the_cache_off_the_reason_is_the_cache(monkeypatch):
+    monkeypatch.setenv("SAFESTRATEGY_CACHE", "off")
+    why = _stalls.unread(report(candidates=(result("nccl", "ok"),)), None)
+    assert why == "SAFESTRATEGY_CACHE=off keeps no record"

@@ -145,6 +145,7 @@ class ProbeProcess:
         full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         full_env.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
         full_env.update(env or {})
+        full_env.pop(_env.ENV_RUN_DIR, None)  # a probe process is never the training
         request = {**request, "parent": os.getpid()}
         try:
             self.process = subprocess.Popen(

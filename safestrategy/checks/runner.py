@@ -198,10 +198,21 @@ class Runner:
             self.remedies[name] = result.remedy
         return result
 
+    def anyway(self, name: str) -> CandidateResult:
+        """``name``'s check with its record set aside: the last resort, when every candidate
+        that passed had a record (:func:`safestrategy.choose.decide`)."""
+        result = self._unrecorded(name)
+        if result.status == OK:
+            self.remedies[name] = result.remedy
+        return stalls.anyway(result, self.stalled[name])
+
     def _check(self, name: str) -> CandidateResult:
         if name in self.stalled:
             stall = self.stalled[name]
             return stalls.verdict(self.tf, stall, self.devices, self.opts, self._may_hang(name))
+        return self._unrecorded(name)
+
+    def _unrecorded(self, name: str) -> CandidateResult:
         if name == NCCL:
             return nccl.verdict(self.tf, self.devices, self.opts)
         if name == COLLECTIVE:
@@ -291,7 +302,13 @@ def decide(
         cached = timing.remembered(stored)
     runner.racing = setting.mode == "auto" and cached is None
     decision = choose.decide(
-        setting, check, runner.time_all, runner.unavailable(), cached, recorded=set(runner.stalled)
+        setting,
+        check,
+        runner.time_all,
+        runner.unavailable(),
+        cached,
+        recorded=set(runner.stalled),
+        anyway=runner.anyway,
     )
     if runner.aborted:
         logger.debug("this process's collectives were aborted: nothing of it is cached")

@@ -5,7 +5,11 @@ and withdraws it when the call finishes after all; a record that stays (the
 process was ended while stuck) makes the next ``auto`` or listed decision for
 this machine and device set treat that backend as failed. For NCCL (and a
 ``collective`` on NCCL), the remedy not tried yet comes first
-(:func:`verdict`), and those retries are verdicts like any other: cached.
+(:func:`verdict`), and those retries are verdicts like any other: cached. No
+record leaves a machine without a backend: when every candidate that passes
+has one, the chooser checks them with the record set aside and takes the last
+in the order (:func:`anyway`, :func:`warn`). :func:`next_step` says in words
+what a next decision does with a record (``run``'s relaunch line).
 
 Records live in the verdict cache (:mod:`safestrategy._cache`) in two key
 spaces (a :class:`Place`): one machine's (kind ``stall``: the machine, the
@@ -21,7 +25,8 @@ import logging
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _cache, _env, _machine, _tf
-from ..report import FAILED, CandidateResult, Report, Stall
+from ..backends import COLLECTIVE, NCCL, RING
+from ..report import FAILED, OK, CandidateResult, Report, Stall
 from . import nccl
 
 logger = logging.getLogger("safestrategy")
@@ -74,17 +79,82 @@ def decision_entry(
     """What a factory tells ``python -m safestrategy run`` of a strategy it built (the run
     directory's ``decision-<pid>.json``): enough to write its record without TensorFlow."""
     chosen = next((c for c in report.candidates if c.name == report.backend), None)
+    remedy = dict(chosen.remedy) if chosen is not None else {}
+    on_nccl = report.backend == NCCL or (
+        report.backend == COLLECTIVE and chosen is not None and "(NCCL requested)" in chosen.reason
+    )
     return {
         "backend": report.backend,
         "devices": list(report.devices),
         "mode": report.mode,
         "task": report.task,
         "tf_version": report.tf_version,
-        "remedy": dict(chosen.remedy) if chosen is not None else {},
+        "remedy": remedy,
         "place": None if place is None else {"kind": place.kind, "key": dict(place.key)},
         "read": place is not None and place.read,
+        "unread": unread(report, place),
+        "cache": directory(),
         "stall_timeout": stall_timeout,
+        #: what a next decision retries after a record of this strategy, before moving on
+        "next_remedies": _next_remedies(remedy) if on_nccl else [],
     }
+
+
+def unread(report: Report, place: Optional[Place]) -> Optional[str]:
+    """The one reason no next decision reads a record of ``report``'s strategy (None: one
+    does), in the words ``run`` says it."""
+    if place is not None and place.read:
+        return None
+    if report.mode == "forced" and not report.candidates:
+        return "your own cross_device_ops is used as given"
+    if directory() is None:
+        return f"{_env.ENV_CACHE}=off keeps no record"
+    if report.task is not None:
+        return "RING, the multi-worker last resort, is never failed by a record"
+    if report.mode == "forced":
+        return "a forced backend is used whatever its records say"
+    return "one device has no all-reduce to change"
+
+
+def _next_remedies(remedy: Mapping[str, str]) -> List[Dict[str, str]]:
+    """NCCL's remedies a next decision retries after a record made under ``remedy``: those
+    not tried yet, none the user set, none with ``SAFESTRATEGY_NCCL_REMEDIES=off``."""
+    try:
+        allowed = _env.resolve_switch(_env.ENV_NCCL_REMEDIES)
+    except ValueError:
+        allowed = False
+    return nccl.untried(remedy, nccl.user_remedies()) if allowed else []
+
+
+def next_step(
+    place: Optional[Place], backend: str, remedy: Mapping[str, str], remedies: Any = None
+) -> str:
+    """What the next decision does after a record of ``backend`` made under ``remedy`` at
+    ``place``, in words (``run``'s relaunch line). ``remedies``: the NCCL remedies it retries
+    first, as a decision entry's ``next_remedies`` lists them (not a list, e.g. an entry
+    written before 0.4.1: those after ``remedy`` when ``backend`` is ``nccl``). Pure.
+
+    One machine: the untried remedies, then the next backend; a backend with a record is
+    avoided while another passes without one (none left: the last with a record, anyway).
+    Multi-worker: every worker together, the untried remedies, then RING, which no record
+    fails."""
+    if not isinstance(remedies, list):
+        remedies = nccl.untried(remedy, {}) if backend == NCCL else []
+    remedies = [env for env in remedies if isinstance(env, dict)]
+    tries = ", then with ".join(
+        ", ".join(f"{name}={value}" for name, value in env.items()) for env in remedies
+    )
+    if place is not None and place.kind == MULTIWORKER_KIND and backend == RING:
+        return "ring, the last resort, is never failed by a record: it is taken again"
+    if place is None or not place.read:
+        return "no next decision reads a record of it"
+    if place.kind == MULTIWORKER_KIND:
+        if tries:
+            return f"the next decision tries {backend} with {tries} on every worker, then ring"
+        return "the next decision takes ring on every worker"
+    if tries:
+        return f"the next decision tries {backend} with {tries}, then the next backend"
+    return f"the next decision avoids {backend} while another backend passes without a record"
 
 
 def place_of(entry: Mapping[str, Any]) -> Optional[Place]:
@@ -135,19 +205,22 @@ def record(
     remedy: Mapping[str, str],
     kind: str = "stall",
     cause: str = "",
+    where: Optional[str] = None,
 ) -> None:
     """Record that ``backend`` stalled for ``seconds`` at ``place`` (with its remedy), or
     (``kind`` "crash") that a launch on it died of ``cause`` after ``seconds``: the same
-    entry, the latest record for a backend wins."""
-    where = directory()
+    entry, the latest record for a backend wins. ``where``: the cache directory (default:
+    this process's; ``run`` gives the training's)."""
+    where = where or directory()
     if where is not None:
         value = Stall(backend, round(seconds, 1), _now(), dict(remedy), kind, cause)
         _cache.write(where, place.kind, {**place.key, "backend": backend}, value.to_dict())
 
 
-def read(place: Place, backend: str) -> Optional[Stall]:
-    """The record of ``backend`` at ``place``, if there is one."""
-    where = directory()
+def read(place: Place, backend: str, where: Optional[str] = None) -> Optional[Stall]:
+    """The record of ``backend`` at ``place``, if there is one (``where``: as for
+    :func:`record`)."""
+    where = where or directory()
     value = _cache.read(where, place.kind, {**place.key, "backend": backend}) if where else None
     try:
         return Stall(**value) if value is not None else None
@@ -239,8 +312,42 @@ def verdict(
     return result
 
 
-def warn_forced(report: Report, setting: _env.Setting) -> None:
-    """A forced backend is used even though it stalled before: say so, once."""
+def anyway(result: CandidateResult, stall: Stall) -> CandidateResult:
+    """``result`` of a check run with ``stall``'s record set aside, as the report shows it
+    when it passed: the last resort (see :func:`warn`)."""
+    if result.status != OK:
+        return result
+    return result._replace(reason=f"{result.reason}; used although it {stall.happened()}")
+
+
+def last_resort(report: Report) -> bool:
+    """``report``'s backend has a record and was not forced: every candidate that passed
+    its check had one, and the last of them in the order was taken anyway."""
+    return report.mode != "forced" and any(s.backend == report.backend for s in report.stalls)
+
+
+def warn(report: Report, setting: _env.Setting, fresh: bool = True) -> None:
+    """A backend with a record is used: forced (a WARNING at each call), or the last resort
+    (one WARNING naming every record here and the command that forgets them; DEBUG when
+    the decision was remembered)."""
+    if last_resort(report):
+        order = [c.name for c in report.candidates]
+        ranked = sorted(
+            report.stalls,
+            key=lambda s: order.index(s.backend) if s.backend in order else len(order),
+        )
+        named = "; ".join(f"{stall.backend} {stall.happened()}" for stall in ranked)
+        logger.log(
+            logging.WARNING if fresh else logging.DEBUG,
+            "every all-reduce backend that passes its check on %s has a record of trouble "
+            "during training (%s): %s, the last of them in the order, is used anyway rather "
+            "than none. Expect it to stall again; if the trouble was not the all-reduce's "
+            "(input, a long first compile), `%s` forgets these records.",
+            ", ".join(report.devices),
+            named,
+            report.backend,
+            refresh_command(report.devices),
+        )
     for stall in report.stalls:
         if setting.mode == "forced" and stall.backend == report.backend:
             logger.warning(

@@ -15,7 +15,7 @@ from .. import choose
 from .._env import ENV_COMMUNICATION, Setting
 from ..backends import NCCL, NO_GPU, RING
 from ..checks.allreduce import from_reply, wrong_sums
-from ..checks.nccl import NO_KERNELS, REMEDIES
+from ..checks.nccl import NO_KERNELS, REMEDIES, untried
 from ..report import FAILED, NOT_TRIED, OK, SKIPPED, TIMEOUT, CandidateResult
 
 RING_REASON = (
@@ -81,8 +81,30 @@ def recorded(hellos: Mapping[str, Hello]) -> Dict[str, str]:
         for record in hello.get("records") or ():
             name = record.get("backend")
             if name in READ and name not in found:
-                found[name] = f"{task} recorded it: {record.get('happened')}"
+                remedy = _remedy(record)
+                made = "".join(f" with {var}={value}" for var, value in remedy.items())
+                found[name] = f"{task} recorded it: {record.get('happened')}{made}"
     return found
+
+
+def _remedy(record: Mapping[str, Any]) -> Dict[str, str]:
+    """The NCCL remedy a hello's record was made under (``{}``: none, or a worker of 0.4.0
+    whose hello did not say)."""
+    remedy = record.get("remedy")
+    return {str(k): str(v) for k, v in remedy.items()} if isinstance(remedy, dict) else {}
+
+
+def after_records(hellos: Mapping[str, Hello]) -> List[Dict[str, str]]:
+    """The remedies NCCL is retried with after the workers' NCCL records, in order: those
+    after the furthest any record was made under (so a remedy that stalled is never tried
+    again), as :func:`remedy_attempts` allows them; none left: RING."""
+    tried: Dict[str, str] = {}
+    for hello in hellos.values():
+        for record in hello.get("records") or ():
+            if record.get("backend") == NCCL:
+                tried.update(_remedy(record))
+    allowed = remedy_attempts(hellos)[1:]
+    return [remedy for remedy in untried(tried, {}) if remedy in allowed]
 
 
 def expected_replicas(hellos: Mapping[str, Hello]) -> int:

@@ -129,10 +129,15 @@ def _free_port(host: str) -> int:
 
 def records(tf: Any, workers: Cluster) -> List[Dict[str, str]]:
     """This worker's records of trouble during multi-worker training on this cluster, as
-    its hello carries them: what each communication's record says happened."""
+    its hello carries them: what each communication's record says happened, and the NCCL
+    remedy it happened under (so that every worker moves on to the next one together)."""
     place = stalls.on_worker(tf, [str(address) for address in workers.workers], workers.task)
     found = [(name, stalls.read(place, name)) for name in agree.READ] if place else []
-    return [{"backend": name, "happened": stall.happened()} for name, stall in found if stall]
+    return [
+        {"backend": name, "happened": stall.happened(), "remedy": dict(stall.remedy)}
+        for name, stall in found
+        if stall
+    ]
 
 
 def _hello_parts(request: Request) -> List[Tuple[str, float]]:
@@ -242,9 +247,10 @@ def _nccl_check(
 
     first, *remedies = agree.remedy_attempts(hellos)
     recorded = agree.recorded(hellos).get(NCCL)
-    if recorded is not None:  # a worker's record: its untried remedy first, then RING
+    if recorded is not None:  # a worker's record: the remedies no record was made under, then RING
         failed = CandidateResult(NCCL, FAILED, recorded, cached=True)
-        return nccl.with_remedies(failed, remedies, together, " on every worker")
+        after = agree.after_records(hellos)
+        return nccl.with_remedies(failed, after, together, " on every worker")
     result = together(first)
     if not agree.remediable(result):
         remedies = []
