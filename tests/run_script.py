@@ -31,7 +31,7 @@ By hand, as docs/healing.md shows it::
 
 ``RUN_SCRIPT_BACKUP`` names the directory that keeps the training's state from one
 launch to the next (``BackupAndRestore``, the checkpoints); unset, it is a temporary
-directory of this ``run`` (named by its pid, which every launch of one run shares).
+directory of this ``run`` (named after the run directory every launch of one run shares).
 ``RUN_SCRIPT_STALL_TIMEOUT`` (default 3) is the watched part's stall timeout.
 """
 
@@ -52,7 +52,9 @@ from safestrategy import _tf
 SCENARIO = sys.argv[1]
 FIRST = os.environ.get("SAFESTRATEGY_RESTART") == "0"
 T = os.environ.pop("RUN_SCRIPT_STALL_TIMEOUT", "3")
-RUN = os.environ.get("SAFESTRATEGY_RUN_PARENT", "").strip() or str(os.getppid())
+# one run's launches share their run directory's parent (<cache>/runs/<this run>/launch-N)
+RUN_DIR = os.environ.get("SAFESTRATEGY_RUN_DIR", "").strip()
+RUN = os.path.basename(os.path.dirname(RUN_DIR)) if RUN_DIR else str(os.getppid())
 BACKUP = os.environ.get("RUN_SCRIPT_BACKUP") or os.path.join(
     tempfile.gettempdir(), f"run_script-{SCENARIO}-{RUN}"
 )
