@@ -41,7 +41,7 @@ logger = logging.getLogger("safestrategy")
 #: ``EX_TEMPFAIL``: a hung collective never returns, so a scheduler's restart is the way out.
 EXIT_CODE = 75
 
-#: The command that lists (and with ``--forget`` forgets) every record on this machine.
+#: The command that lists (and with ``--forget`` forgets) every record in the cache directory.
 RECORDS_COMMAND = "python -m safestrategy records"
 
 STEP = "step"  #: a tf.function call: under Keras fit, the training step (input included)
@@ -278,12 +278,10 @@ def _recorded(report: Report, place: Optional[stalls.Place]) -> Optional[str]:
             f"The stall is recorded for this worker (`{RECORDS_COMMAND}` lists it, "
             f"`{RECORDS_COMMAND} --forget` forgets it)"
         )
-        if report.backend == NCCL:
-            return f"{listed}: the workers' next agreed choice avoids {report.backend}."
-        return f"{listed}; RING, the last resort, is not avoided by a record."
+        return f"{listed}: {stalls.after_record(report, place)}."
     return (
-        f"The stall is recorded: the next automatic choice on these devices skips "
-        f"{report.backend} (`{stalls.refresh_command(report.devices)}` re-allows it)."
+        f"The stall is recorded: {stalls.after_record(report, place)} on these devices "
+        f"(`{stalls.refresh_command(report.devices)}` re-allows it)."
     )
 
 

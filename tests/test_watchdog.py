@@ -276,7 +276,10 @@ def test_the_record_is_promised_only_where_one_is_written_and_read(tf, monkeypat
     assert place("auto", CPUS[:1]) is None  # one device: nothing all-reduces
     assert place("auto", CPUS, cache="off") is None
     assert "is recorded" not in stall_text("nccl", (), place=None)
-    assert "the next automatic choice on these devices skips nccl" in stall_text("nccl", ())
+    said = "The stall is recorded: the next decision tries nccl with NCCL_P2P_DISABLE=1, then "
+    assert said in stall_text("nccl", ())  # what the next decision does, as run says it
+    said = "the next decision avoids hierarchical_copy while another backend passes"
+    assert said in stall_text("hierarchical_copy", ())
 
 
 def test_a_call_that_finishes_withdraws_only_the_record_its_own_stall_wrote(monkeypatch):

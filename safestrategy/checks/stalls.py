@@ -78,11 +78,7 @@ def decision_entry(
 ) -> Dict[str, Any]:
     """What a factory tells ``python -m safestrategy run`` of a strategy it built (the run
     directory's ``decision-<pid>.json``): enough to write its record without TensorFlow."""
-    chosen = next((c for c in report.candidates if c.name == report.backend), None)
-    remedy = dict(chosen.remedy) if chosen is not None else {}
-    on_nccl = report.backend == NCCL or (
-        report.backend == COLLECTIVE and chosen is not None and "(NCCL requested)" in chosen.reason
-    )
+    remedy, retries = _retries(report)
     return {
         "backend": report.backend,
         "devices": list(report.devices),
@@ -96,7 +92,7 @@ def decision_entry(
         "cache": directory(),
         "stall_timeout": stall_timeout,
         #: what a next decision retries after a record of this strategy, before moving on
-        "next_remedies": _next_remedies(remedy) if on_nccl else [],
+        "next_remedies": retries,
     }
 
 
@@ -114,6 +110,23 @@ def unread(report: Report, place: Optional[Place]) -> Optional[str]:
     if report.mode == "forced":
         return "a forced backend is used whatever its records say"
     return "one device has no all-reduce to change"
+
+
+def _retries(report: Report) -> Tuple[Dict[str, str], List[Dict[str, str]]]:
+    """The remedy ``report``'s strategy uses, and those a next decision retries first after
+    a record of it (none unless it all-reduces with NCCL)."""
+    chosen = next((c for c in report.candidates if c.name == report.backend), None)
+    remedy = dict(chosen.remedy) if chosen is not None else {}
+    on_nccl = report.backend == NCCL or (
+        report.backend == COLLECTIVE and chosen is not None and "(NCCL requested)" in chosen.reason
+    )
+    return remedy, _next_remedies(remedy) if on_nccl else []
+
+
+def after_record(report: Report, place: Optional[Place]) -> str:
+    """What the next decision does after a record of ``report``'s strategy at ``place``."""
+    remedy, retries = _retries(report)
+    return next_step(place, report.backend, remedy, retries)
 
 
 def _next_remedies(remedy: Mapping[str, str]) -> List[Dict[str, str]]:
