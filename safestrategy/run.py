@@ -152,8 +152,7 @@ def judge(
     code = exit_code(ended.returncode)
     if ended.signalled is not None:
         name = _signal_name(ended.signalled)
-        why = f"stopped by your {name}: not relaunched"
-        return Verdict(False, 128 + ended.signalled, f"stopped ({name} to run)", why)
+        return Verdict(False, 128 + ended.signalled, f"stopped by {name}", "your own signal")
     if not ended.starved and ended.returncode == 0:
         return Verdict(False, 0, "exit 0", "the training finished")
     if ended.hung:

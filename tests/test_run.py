@@ -200,7 +200,7 @@ def test_the_users_own_signal_is_named_as_the_reason():
     interrupted = run.judge(run.Ended(1, 5.0), launch([decided()], "3 inside", error), a_record)
     assert interrupted.why == "the training was interrupted (KeyboardInterrupt)"
     to_run = run.judge(run.Ended(-2, 5.0, signalled=signal.SIGINT), launch([decided()]), a_record)
-    assert (to_run.code, to_run.why) == (130, "stopped by your SIGINT: not relaunched")
+    assert (to_run.code, to_run.ended, to_run.why) == (130, "stopped by SIGINT", "your own signal")
 
 
 #: What TF 2.21 raised in the survivor when its peer aborted mid-step (the two-worker test
