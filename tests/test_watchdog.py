@@ -206,8 +206,9 @@ def result(name, status, reason="fake"):
 
 
 def tips(text):
-    """The "what to try" lines of an ERROR."""
-    return text.split("what to try:\n  - ", 1)[1].split("\n  - ")
+    """The "what to try" lines of an ERROR (not the lines after them)."""
+    listed = text.split("what to try:\n  - ", 1)[1].split("\n  - ")
+    return [*listed[:-1], listed[-1].split("\n", 1)[0]]
 
 
 def test_what_to_try_names_only_backends_that_passed_here_or_were_not_checked():
