@@ -321,3 +321,32 @@ def xla_auto_jit(tf: Any, flag: bool) -> bool:
         return bool(tf.config.optimizer.get_jit())
     except Exception:
         return False
+
+
+#: TensorFlow's coordination-service key-value calls: set, get (with a timeout), delete.
+KeyValues = Tuple[Any, Any, Any]
+
+
+def coordination_kv(tf: Any) -> Tuple[Optional[KeyValues], str]:
+    """The coordination service's key-value calls of this process, where this TensorFlow
+    has them and every read can be bounded (``get_config_key_value(key, timeout_in_ms)``);
+    else None and why. Asked of the runtime, not inferred from the version."""
+    import inspect
+
+    try:
+        from tensorflow.python.eager import context
+
+        ctx = context.context()
+        get = ctx.get_config_key_value
+        service = getattr(ctx.coordination_service, "service_type", "")
+        bounded = "timeout_in_ms" in inspect.signature(get).parameters
+    except Exception as error:  # an old or stripped TF: no such calls
+        return None, f"TF {tf.__version__} has no coordination-service key-value store ({error})"
+    if not service:
+        return None, "TensorFlow's coordination service is not running in this process"
+    if not bounded:
+        return None, (
+            f"TF {tf.__version__}'s coordination service cannot be read with a bound "
+            "(its get_config_key_value has no timeout)"
+        )
+    return (ctx.set_config_key_value, get, ctx.delete_config_key_value), ""

@@ -30,7 +30,7 @@ import traceback
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from . import _env, _rundir
+from . import _env, _peers, _rundir
 from .backends import BACKEND_NAMES, COLLECTIVE, COMMUNICATION_NAMES, NCCL, get_backend
 from .checks import probe, stalls
 from .checks.nccl import REMEDIES
@@ -91,6 +91,13 @@ WHERE = {
 OUTSIDE_TIP = (
     "look where the stack waits: the input pipeline (a reader, a generator, a remote file "
     "system) or your own code, not the all-reduce"
+)
+
+
+#: What to try when another worker holds this one back.
+PEER_TIP = (
+    "look at the worker the verdict names: its own log, its stack (py-spy dump), whether "
+    "it still runs"
 )
 
 
@@ -296,11 +303,13 @@ def message(
     place: Optional[stalls.Place] = None,
     suspects: Sequence[Report] = (),
     outside: bool = False,
+    peers: Optional[Tuple[_peers.Verdict, str]] = None,
 ) -> str:
     """The ERROR for a stall: how long, where, which backend and devices, what to try, and
     whether it is recorded (``place``: where; None: nothing is). ``report`` None with
     ``suspects``: the stuck call's strategy could not be told among these. ``outside``:
-    the call is outside the all-reduce (input, no strategy's call), which no backend cures."""
+    the call is outside the all-reduce (input, no strategy's call), which no backend cures.
+    ``peers``: multi-worker, the verdict every worker draws and the table of workers."""
     headline = (
         f"training has made no progress for {seconds:.0f} s: thread {thread!r} has been in "
         f"one TensorFlow call for that long ({_env.ENV_STALL_TIMEOUT}={settings.timeout:g}), "
@@ -312,12 +321,27 @@ def message(
         closing = "Still waiting: if the call finishes after all, the record is withdrawn."
     else:
         closing = "Still waiting."
-    if outside:
+    held = peers is not None and peers[0].kind in (_peers.HELD, _peers.GONE)
+    if held:
+        closing = f"Not recorded: {_NOT_THE_COMMUNICATION[peers[0].kind]}. " + closing
+    elif outside:
         closing = (
             f"Not recorded against {report.backend if report else 'a backend'}: the call is "
             "outside the all-reduce, and another backend would wait the same way. " + closing
         )
-    return _explained(headline, stack, report, nccl, closing, place, suspects, not outside)
+    if peers is not None:
+        headline += f"\n{peers[0].line}.\nworkers:\n{peers[1]}"
+    return _explained(
+        headline, stack, report, nccl, closing, place, suspects, not (outside or held), held
+    )
+
+
+#: Why a multi-worker verdict records nothing against the communication.
+_NOT_THE_COMMUNICATION = {
+    _peers.HELD: "a worker outside the all-reduce holds the others back, and another "
+    "communication would wait for it the same way",
+    _peers.GONE: "a worker stopped answering (a peer gone), which no communication cures",
+}
 
 
 def _explained(
@@ -329,9 +353,11 @@ def _explained(
     place: Optional[stalls.Place] = None,
     suspects: Sequence[Report] = (),
     backends: bool = True,
+    peer: bool = False,
 ) -> str:
     """A stall's headline with where, which backend and devices, what to try, ``closing``.
-    ``backends``: whether another backend is worth trying (not for a stall outside it)."""
+    ``backends``: whether another backend is worth trying (not for a stall outside it);
+    ``peer``: another worker is the cause (look there)."""
     lines = [headline, "where (most recent call last):", stack]
     if report is not None:
         task = f"; this is {report.task} of {report.workers} workers" if report.task else ""
@@ -350,6 +376,8 @@ def _explained(
     lines.append(f"NCCL variables: {settings_text}")
     lines.append("what to try:")
     tips = _tips(report, nccl) if backends else [OUTSIDE_TIP, *_tips(None, nccl)]
+    if peer:
+        tips = [PEER_TIP, *_tips(None, nccl)]
     lines.extend(f"  - {tip}" for tip in tips)
     said = _recorded(report, place) if report is not None else None
     if said is not None:
@@ -395,6 +423,8 @@ _settings: Optional[_env.StallSettings] = None
 _watched: List[_Strategy] = []
 #: The record each stalled call wrote (by thread), withdrawn if the call finishes.
 _written: Dict[int, _Strategy] = {}
+#: Multi-worker: where this worker says it is, to its peers (None: one machine).
+_board: Optional[_peers.Board] = None
 
 
 def _held(strategy: Any) -> Callable[[], Any]:
@@ -409,13 +439,17 @@ def watch(
     report: Report,
     strategy: Any = None,
     place: Optional[stalls.Place] = None,
+    board: Optional[_peers.Board] = None,
 ) -> None:
     """Watch this process for ``strategy`` (the factories call this): the thread starts
     once; the latest settings apply. ``place``: where a stall of it is recorded (None:
-    nowhere, e.g. a forced backend, one device, the cache off)."""
-    global _thread, _settings
+    nowhere, e.g. a forced backend, one device, the cache off). ``board``: multi-worker,
+    where this worker publishes its whereabouts and reads its peers' (the latest wins)."""
+    global _thread, _settings, _board
     with _lock:
         _settings = settings
+        if board is not None:
+            _board = board
         _watched[:] = [w for w in _watched if w.ref() is not None]
         _watched.append(_Strategy(_held(strategy), report, place))
         if settings.timeout is None or (_thread is not None and _thread.is_alive()):
@@ -497,12 +531,62 @@ def _run() -> None:
         _rundir.heartbeat(sample, inside=bool(seen))  # under `run` only: it judges silence
         stopped = stopped_for(now - before, pause)
         state, events = advance(state, seen, now, settings.timeout, stopped)
+        board = _board
+        if board is not None:
+            try:
+                _publish(board, sample, seen, frames, now, stopped, settings)
+            except Exception:  # peers are an explanation, never a reason to stop watching
+                logger.debug("stall watchdog: publishing to the peers failed", exc_info=True)
         for event in events:
             try:
                 _handle(event, frames.get(event.thread), settings)
             except Exception:  # the watchdog must never be what breaks a training
                 logger.debug("stall watchdog: handling %s failed", event, exc_info=True)
         del seen, frames
+
+
+class _Here:
+    """Where this worker has been since when (its own clock, time stopped left out), and
+    whether it already said that it holds its peers back."""
+
+    where: Optional[str] = None
+    since = 0.0
+    said = False
+
+
+def _publish(
+    board: _peers.Board,
+    sample: int,
+    seen: Mapping[int, Tuple[Any, str]],
+    frames: Mapping[int, Any],
+    now: float,
+    stopped: float,
+    settings: _env.StallSettings,
+) -> None:
+    """Tell the peers where this worker is, hear theirs; a worker away from the all-reduce
+    its peers have waited in for the stall timeout says once that it holds them back."""
+    kinds = {thread: kind for thread, (_, kind) in seen.items()}
+    where, at = _peers.whereabouts(frames, kinds, threading.main_thread().ident, _is_library)
+    if where != _Here.where:
+        _Here.where, _Here.since, _Here.said = where, now, False
+    _Here.since += stopped
+    board.publish(sample, where, now - _Here.since, at)
+    board.look()
+    if _Here.said or where not in _peers.AWAY or settings.timeout is None:
+        return
+    heard = board.heard()
+    peers = [one.beat for task, one in heard.items() if task != board.me]
+    waiting = [b for b in peers if b is not None and b.where in (_peers.STEP, _peers.PY_FUNCTION)]
+    if waiting and all(b.seconds >= settings.timeout for b in waiting):
+        _Here.said = True
+        verdict = _peers.verdict(board.me, heard, interval(settings.timeout), board.seen)
+        logger.error(
+            "this worker (%s) holds the others back: %s\nworkers:\n%s\nNothing is recorded: "
+            "another communication would wait for this worker the same way.",
+            board.me,
+            verdict.line,
+            _peers.table(board.me, heard),
+        )
 
 
 def _thread_name(ident: int) -> str:
@@ -513,14 +597,15 @@ def _nccl_variables() -> Dict[str, str]:
     return {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
 
 
-def _stalled(text: str, culprit: Optional[_Strategy], seconds: float) -> None:
-    """Log a stall's ERROR and record it where ``culprit``'s records go (if anywhere)."""
+def _stalled(text: str, culprit: Optional[_Strategy], seconds: float, cause: str = "") -> None:
+    """Log a stall's ERROR and record it where ``culprit``'s records go (if anywhere), with
+    its ``cause`` (a multi-worker verdict)."""
     logger.error(text)
     if culprit is not None and culprit.place is not None:
         report = culprit.report
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         remedy = chosen.remedy if chosen is not None else {}
-        stalls.record(culprit.place, report.backend, seconds, remedy)
+        stalls.record(culprit.place, report.backend, seconds, remedy, cause=cause)
 
 
 def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
@@ -541,6 +626,13 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
     outside = outside_allreduce(event.watched.kind, frame, watched)
     if outside and culprit is not None:  # reported, never recorded against a backend
         culprit = culprit._replace(place=None)
+    board, peers = _board, None
+    if board is not None and culprit is not None and culprit.report.task is not None:
+        heard = board.heard()
+        verdict = _peers.verdict(board.me, heard, interval(settings.timeout), board.seen)
+        peers = verdict, _peers.table(board.me, heard)
+        if verdict.kind in (_peers.HELD, _peers.GONE):  # not the communication's doing
+            culprit = culprit._replace(place=None)
     stack = stack_text(frame, event.watched.call) if frame is not None else "  (gone)"
     thread = _thread_name(event.thread)
     text = message(
@@ -554,12 +646,17 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
         culprit.place if culprit is not None else None,
         [w.report for w in watched] if culprit is None else (),
         outside,
+        peers,
     )
-    _stalled(text, culprit, event.seconds)
+    cause = peers[0].line if peers is not None and peers[0].kind == _peers.STUCK else ""
+    _stalled(text, culprit, event.seconds, cause)
     recorded = culprit is not None and culprit.place is not None
     if recorded:
         _written[event.thread] = culprit
-    _rundir.stalled({"where": event.watched.kind, "outside": outside, "recorded": recorded})
+    said = {"where": event.watched.kind, "outside": outside, "recorded": recorded}
+    if peers is not None:
+        said.update(verdict=peers[0].kind, culprit=peers[0].task, line=peers[0].line)
+    _rundir.stalled(said)
     if settings.action == "exit":
         _exit()
 

@@ -98,13 +98,16 @@ class Stall(NamedTuple):
     #: The NCCL remedy in use then (``{}``: none), so the next one is tried next.
     remedy: Mapping[str, str] = {}
     kind: str = "stall"  #: "stall" or "crash"
-    cause: str = ""  #: a crash: what ended it (a signal, the error's first line)
+    #: a crash: what ended it (a signal, the error's first line); a multi-worker stall: the
+    #: verdict every worker drew ("every worker is inside the same step: ...")
+    cause: str = ""
 
     def happened(self) -> str:
         """What happened, as reasons say it (without the date's time of day: ``when[:10]``)."""
         if self.kind == "crash":
             return f"crashed during training on {self.when[:10]} ({self.cause})"
-        return f"stalled during training on {self.when[:10]} after {self.seconds:g} s"
+        because = f" ({self.cause})" if self.cause else ""
+        return f"stalled during training on {self.when[:10]} after {self.seconds:g} s{because}"
 
     def line(self) -> str:
         """One human-readable line, as the CLI prints it."""
@@ -113,6 +116,7 @@ class Stall(NamedTuple):
             what = f"crashed during training on {self.when} ({self.cause})"
         else:
             what = f"stalled during training on {self.when} after {self.seconds:g} s"
+            what += f" ({self.cause})" if self.cause else ""
         return f"  {self.backend:<18} {what}{remedy}"
 
     def to_dict(self) -> Dict[str, Any]:

@@ -183,6 +183,14 @@ def judge(
         record = Record(place, backend, ended.seconds, remedy, "stall", "", cache)  # type: ignore[arg-type]
         why = f"training went silent on {backend} (recorded); {then}"
         return Verdict(True, EXIT_STALL, f"silent on {backend}", why, record)
+    peers = next((s for s in launch.stalls if s.get("verdict") in ("held", "gone")), None)
+    if ended.returncode == EXIT_STALL and peers is not None:  # another worker is the cause
+        line = str(peers.get("line"))
+        if peers.get("verdict") == "gone":
+            return Verdict(True, code, "peer gone", f"{line}: a peer is gone; nothing recorded")
+        why = f"{line}: nothing recorded on any worker, and a relaunch would wait for it "
+        why += "the same way"
+        return Verdict(False, code, "held back by a peer", why)
     outside = next((s for s in launch.stalls if s.get("outside")), None)
     if ended.returncode == EXIT_STALL and outside is not None:
         where = WHERE_OUTSIDE.get(str(outside.get("where")), "outside the all-reduce")

@@ -31,6 +31,7 @@ LAYERS = {
     "wings": {
         "safestrategy.choose",
         "safestrategy._watchdog",
+        "safestrategy._peers",
         "safestrategy.checks",
         "safestrategy.checks.allreduce",
         "safestrategy.checks.child",

@@ -172,6 +172,19 @@ def test_a_stall_outside_the_allreduce_is_not_relaunched_and_run_says_where():
     assert "outside the all-reduce: nothing recorded" in verdict.why
 
 
+def test_a_multiworker_stall_follows_the_verdict_every_worker_drew():
+    worker = decided(task="worker:0", place={"kind": stalls.MULTIWORKER_KIND, "key": {}})
+    line = "worker:2 holds the others back: waiting for input data for 615 s (train.py:40)"
+    held = {"where": "step", "outside": False, "recorded": False, "verdict": "held", "line": line}
+    verdict = run.judge(run.Ended(75, 700.0), launch([worker], stalled=[held]), a_record)
+    assert (verdict.relaunch, verdict.record, verdict.ended) == (False, None, "held back by a peer")
+    assert verdict.why.startswith(line + ": nothing recorded on any worker")
+    gone = {**held, "verdict": "gone", "line": "worker:1 stopped answering 40 s ago"}
+    verdict = run.judge(run.Ended(75, 700.0), launch([worker], stalled=[gone]), a_record)
+    assert (verdict.relaunch, verdict.record) == (True, None)
+    assert verdict.why == "worker:1 stopped answering 40 s ago: a peer is gone; nothing recorded"
+
+
 #: faulthandler's dump of a SIGABRT in the first step, before any heartbeat (TF 2.21).
 FAULT = """Fatal Python error: Aborted
 

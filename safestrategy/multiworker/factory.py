@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from .. import _env, _machine, _rundir, _tf, _watchdog, choose
+from .. import _env, _machine, _peers, _rundir, _tf, _watchdog, choose
 from .._env import (
     ENV_NCCL_REMEDIES,
     Setting,
@@ -371,6 +371,26 @@ def imported_keras_version() -> Optional[str]:
     return version if isinstance(version, str) else None
 
 
+_unseen_said = False
+
+
+def _board(tf: Any, cluster: Cluster) -> Optional[_peers.Board]:
+    """Where this worker's watchdog tells its peers where it is: TensorFlow's coordination
+    service, up once the strategy is built. Where it cannot be used, said once (INFO): a
+    stall's ERROR then names this worker only."""
+    global _unseen_said
+    kv, why = _tf.coordination_kv(tf)
+    if kv is not None:
+        workers = [address.task for address in cluster.workers]
+        return _peers.Board(kv, [str(a) for a in cluster.workers], workers, cluster.task)
+    with _lock:
+        said, _unseen_said = _unseen_said, True
+    if not said:
+        logger.info("the workers cannot tell each other where they are: %s; a stall's "
+                    "ERROR names this worker only", why)  # fmt: skip
+    return None
+
+
 def _warn_keras3(tf_version: str) -> None:
     """:func:`keras3_warning` on this process, logged once per process."""
     global _keras_warned
@@ -448,7 +468,7 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     set_last_report(report)
     addresses = [str(address) for address in req.cluster.workers]
     place = stalls.on_worker(tf, addresses, req.cluster.task, report.backend in agree.READ)
-    _watchdog.watch(stall_settings, report, strategy, place)
+    _watchdog.watch(stall_settings, report, strategy, place, _board(tf, req.cluster))
     _rundir.decision(stalls.decision_entry(report, place, stall_settings.timeout))
     timeout = getattr(kwargs.get("communication_options"), "timeout_seconds", None)
     if timeout:

@@ -1,0 +1,345 @@
+"""Which worker holds the others back: where each worker is, shared over TensorFlow's own
+coordination service, and the one verdict every worker draws from it.
+
+When one worker of a ``MultiWorkerMirroredStrategy`` stops, the others wait for it
+in the same all-reduce, and each one's own stack says only that. So at each
+sample the watchdog publishes this worker's whereabouts (:class:`Beat`: a
+counter, where its threads are, for how long, at which line of the user's code)
+to the coordination service's key-value store, which MWMS starts and which
+answers while this worker's own threads are blocked in an all-reduce (TF 2.21: a
+peer's fresh heartbeat read in < 0.01 s). Nothing after the build uses a channel
+of safestrategy's own.
+
+- :func:`whereabouts`: where this worker is, from the watchdog's sample (pure).
+- :func:`verdict`: the one verdict, from what every worker said and when each was
+  last heard on this worker's own clock (pure): every worker inside the same step
+  (the communication is stuck), worker k outside it (it holds the others back), or
+  worker k unheard for more than two samples (it stopped answering).
+- :class:`Board`: the key-value side. Every call is bounded (:data:`BOUND` s, on a
+  thread of its own), and an absent or failing service never blocks the watchdog:
+  the verdict then says the peers could not be seen.
+"""
+
+import contextlib
+import fnmatch
+import hashlib
+import json
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+#: Keys live under one prefix per cluster: ``safestrategy/peers/<cluster id>/<task>``.
+PREFIX = "safestrategy/peers"
+#: Seconds any one call to the coordination service may take.
+BOUND = 1.0
+#: Milliseconds a read waits for a key no worker has written (a peer without safestrategy).
+ABSENT_MS = 100
+
+STEP = "step"  #: inside a step or ``strategy.run`` (where the all-reduce waits)
+PY_FUNCTION = "py_function"  #: running the user's Python inside a ``py_function``
+INPUT = "input"  #: in an iterator's ``get_next`` outside a step
+CHECKPOINT = "checkpoint"  #: saving a checkpoint
+OUTSIDE = "outside"  #: in no TensorFlow call: the user's Python between steps
+
+WHERE = {
+    STEP: "inside a step",
+    PY_FUNCTION: "running your Python in a py_function",
+    INPUT: "waiting for input data",
+    CHECKPOINT: "saving a checkpoint",
+    OUTSIDE: "outside any TensorFlow call",
+}
+#: Where a worker does not take part in the all-reduce its peers wait in.
+AWAY = (INPUT, CHECKPOINT, OUTSIDE)
+
+#: Frames that say what a thread is doing, by file (under ``tensorflow/python/``, or
+#: ``tensorflow_core/python/`` on TF 1.15) and function (None: any).
+_SIGNS: Tuple[Tuple[str, Optional[Tuple[str, ...]], str], ...] = (
+    ("ops/script_ops.py", ("__call__",), PY_FUNCTION),
+    (
+        "checkpoint/*.py",
+        ("save", "write", "_write", "_save_cached_when_graph_building"),
+        CHECKPOINT,
+    ),
+    ("training/saver.py", ("save",), CHECKPOINT),
+    ("training/tracking/util.py", ("save", "write"), CHECKPOINT),
+)
+_PATTERNS = tuple(
+    (f"*/{root}/python/{path}", names, sign)
+    for root in ("tensorflow", "tensorflow_core")
+    for path, names, sign in _SIGNS
+)
+#: Keras's own saving (``model.save``, ``save_weights``, ``ModelCheckpoint``).
+_KERAS_SAVING = ("*/keras/*saving*/*.py", "*/tf_keras/*saving*/*.py")
+
+
+class Beat(NamedTuple):
+    """What one worker says of itself at one sample."""
+
+    task: str  #: "worker:1"
+    host: str
+    sample: int  #: the watchdog's counter: a beat that does not change is not heard
+    where: str  #: one of :data:`WHERE`
+    seconds: float  #: for how long it has been there, on its own clock (time stopped left out)
+    at: str = ""  #: the user's line it is at ("train.py:40"), where known
+
+    def to_json(self) -> str:
+        return json.dumps(self._asdict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Optional["Beat"]:
+        try:
+            data = json.loads(text)
+            return cls(**{name: data[name] for name in cls._fields})
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+class Heard(NamedTuple):
+    """A worker as this one last heard it: its beat, and how long ago on this worker's clock
+    its counter last changed (None: never heard)."""
+
+    beat: Optional[Beat]
+    ago: Optional[float]
+
+
+class Verdict(NamedTuple):
+    """What holds the workers back, the same on every worker."""
+
+    kind: str  #: "stuck", "held", "gone" or "unseen"
+    task: Optional[str]  #: the worker it names ("held", "gone")
+    line: str  #: the sentence every worker says
+
+
+STUCK, HELD, GONE, UNSEEN = "stuck", "held", "gone", "unseen"
+
+
+def _sign(filename: str, name: str) -> Optional[str]:
+    filename = filename.replace(os.sep, "/")
+    for pattern, names, sign in _PATTERNS:
+        if (names is None or name in names) and fnmatch.fnmatchcase(filename, pattern):
+            return sign
+    if name in ("save", "save_weights", "save_model") and any(
+        fnmatch.fnmatchcase(filename, pattern) for pattern in _KERAS_SAVING
+    ):
+        return CHECKPOINT
+    return None
+
+
+def _stack(frame: Any) -> List[Any]:
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames  # innermost first
+
+
+def _line(frames: Sequence[Any], is_library: Callable[[str], bool]) -> str:
+    """The innermost frame of the user's code, as ``file.py:line``."""
+    for frame in frames:
+        if not is_library(frame.f_code.co_filename):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return ""
+
+
+def whereabouts(
+    frames: Mapping[int, Any],
+    in_calls: Mapping[int, str],
+    main: Optional[int],
+    is_library: Callable[[str], bool],
+) -> Tuple[str, str]:
+    """Where this worker is, and at which user line: ``frames`` every thread's innermost
+    frame, ``in_calls`` the kind of TF call each thread is in (the watchdog's
+    ``step``/``op``/``session``/``input``), ``main`` the main thread. A py_function's or a
+    checkpoint's thread speaks first (it is what the step waits on), then a step, then
+    input; with no thread in a TF call, the main thread's line."""
+    found: Dict[str, str] = {}
+    for frame in frames.values():
+        stack = _stack(frame)
+        for candidate in stack:
+            sign = _sign(candidate.f_code.co_filename, candidate.f_code.co_name)
+            if sign is not None:
+                found.setdefault(sign, _line(stack, is_library))
+                break
+    for sign in (PY_FUNCTION, CHECKPOINT):
+        if sign in found:
+            return sign, found[sign]
+    kinds = set(in_calls.values())
+    for thread, kind in in_calls.items():
+        if kind != "input" and thread in frames:
+            return STEP, _line(_stack(frames[thread]), is_library)
+    if "input" in kinds:
+        thread = next(t for t, kind in in_calls.items() if kind == "input")
+        return INPUT, _line(_stack(frames.get(thread)), is_library)
+    return OUTSIDE, _line(_stack(frames.get(main)), is_library) if main in frames else ""
+
+
+def _name(heard: Heard, task: str) -> str:
+    beat = heard.beat
+    if beat is None:
+        return f"{task} was never heard from (no safestrategy factory, or its watchdog off)"
+    return f"{task} stopped answering {heard.ago:.0f} s ago"
+
+
+def verdict(me: str, heard: Mapping[str, Heard], interval: float, seen: bool = True) -> Verdict:
+    """The verdict from every worker's last beat (``heard``, by task, this worker's
+    included), judged alike on every worker. ``interval``: seconds between samples; a
+    worker not heard for more than two of them has stopped answering. ``seen``: whether
+    the coordination service answered this worker at all."""
+    if not seen:
+        return Verdict(UNSEEN, None, "the other workers could not be seen (TensorFlow's "
+                       "coordination service did not answer)")  # fmt: skip
+    late = 2 * interval + 1.0
+    for task, one in heard.items():
+        if task != me and (one.beat is None or (one.ago is not None and one.ago > late)):
+            return Verdict(GONE, task, _name(one, task))
+    beats = {task: one.beat for task, one in heard.items() if one.beat is not None}
+    waiting = [task for task, beat in beats.items() if beat.where in (STEP, PY_FUNCTION)]
+    away = [task for task, beat in beats.items() if beat.where in AWAY]
+    python = [task for task, beat in beats.items() if beat.where == PY_FUNCTION]
+    stepping = [task for task, beat in beats.items() if beat.where == STEP]
+    if not stepping:  # all in a py_function: the step every worker is inside is stuck
+        python = []
+    if waiting and not away and not (python and stepping):
+        return Verdict(STUCK, None, "every worker is inside the same step: the communication "
+                       "(or a device) is stuck")  # fmt: skip
+    task = (away or python or [me])[0]
+    beat = beats.get(task)
+    if beat is None:
+        return Verdict(HELD, task, f"{task} is outside the all-reduce")
+    at = f" ({beat.at})" if beat.at else ""
+    what = f"{WHERE[beat.where]} for {beat.seconds:.0f} s{at}"
+    if not waiting:
+        return Verdict(HELD, task, f"no worker is in the all-reduce: {task} is {what}")
+    return Verdict(HELD, task, f"{task} holds the others back: {what}")
+
+
+def table(me: str, heard: Mapping[str, Heard]) -> str:
+    """Every worker: task, host, where, since, last heard."""
+    rows = [("task", "host", "where", "since", "last heard")]
+    for task, one in heard.items():
+        beat = one.beat
+        if beat is None:
+            rows.append((task, "?", "never heard", "", ""))
+            continue
+        where = WHERE[beat.where] + (f" ({beat.at})" if beat.at else "")
+        last = "this worker" if task == me else f"{one.ago:.0f} s ago"
+        rows.append((task, beat.host, where, f"{beat.seconds:.0f} s", last))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+        for row in rows
+    )
+
+
+def cluster_id(addresses: Sequence[str]) -> str:
+    """One short name per cluster (every worker's address, in order): keys of another
+    training on the same service never mix with these."""
+    return hashlib.sha256("\n".join(addresses).encode()).hexdigest()[:16]
+
+
+class _Bounded:
+    """Calls run one at a time on a thread of their own; a caller waits at most ``bound``
+    s, and while one call is still stuck (a frozen leader) every later one fails at once:
+    the watchdog is never held, and no thread is started per call."""
+
+    def __init__(self, bound: float = BOUND):
+        self.bound = bound
+        self.calls: Any = queue.Queue()
+        self.busy = threading.Lock()
+        threading.Thread(target=self._serve, name="safestrategy-peers", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            function, args, answer, done = self.calls.get()
+            try:
+                answer.append((True, function(*args)))
+            except Exception as error:  # the service's errors are answers, not crashes
+                answer.append((False, error))
+            finally:
+                self.busy.release()
+                done.set()
+
+    def __call__(self, function: Callable[..., Any], *args: Any) -> Tuple[bool, Any]:
+        if not self.busy.acquire(blocking=False):
+            return False, TimeoutError("a call to the coordination service is still stuck")
+        answer: List[Tuple[bool, Any]] = []
+        done = threading.Event()
+        self.calls.put((function, args, answer, done))
+        if not done.wait(self.bound):
+            return False, TimeoutError(f"no answer within {self.bound:g} s")
+        return answer[0]
+
+
+class Board:
+    """This worker's side of the key-value store: publish its beat, read every worker's.
+    ``kv``: TensorFlow's ``set_config_key_value``, ``get_config_key_value(key,
+    timeout_in_ms)`` and ``delete_config_key_value`` (or stand-ins in tests)."""
+
+    def __init__(
+        self,
+        kv: Tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]],
+        cluster: Sequence[str],
+        tasks: Sequence[str],
+        me: str,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.put, self.get, self.delete = kv
+        self.prefix = f"{PREFIX}/{cluster_id(cluster)}"
+        self.tasks, self.me, self.clock = list(tasks), me, clock
+        self.host = socket.gethostname()
+        self.call = _Bounded()
+        self.last: Dict[str, Tuple[Beat, float]] = {}  # task -> (beat, when its counter changed)
+        self.seen = True  #: whether the service answered the latest look
+
+    def _key(self, task: str) -> str:
+        return f"{self.prefix}/{task}"
+
+    def publish(self, sample: int, where: str, seconds: float, at: str) -> Beat:
+        """Say where this worker is (a key can only be inserted once: delete, then set)."""
+        beat = Beat(self.me, self.host, sample, where, round(seconds, 1), at)
+        key = self._key(self.me)
+        with contextlib.suppress(Exception):
+            self.call(self.delete, key)
+            self.call(self.put, key, beat.to_json())
+        self._heard(beat)
+        return beat
+
+    def _heard(self, beat: Beat) -> None:
+        old = self.last.get(beat.task)
+        if old is None or old[0].sample != beat.sample:
+            self.last[beat.task] = (beat, self.clock())
+        else:
+            self.last[beat.task] = (beat, old[1])
+
+    def look(self) -> None:
+        """Read every peer's beat (bounded; a peer with no key yet is not an error)."""
+        answered = False
+        for task in self.tasks:
+            if task == self.me:
+                continue
+            ok, value = self.call(self.get, self._key(task), ABSENT_MS)
+            if ok:
+                answered = True
+                beat = Beat.from_json(value)
+                if beat is not None:
+                    self._heard(beat)
+            elif type(value).__name__ in ("DeadlineExceededError", "NotFoundError"):
+                answered = True  # the service answered: that worker has said nothing
+        self.seen = answered or len(self.tasks) < 2
+
+    def heard(self) -> Dict[str, Heard]:
+        """Every worker as last heard, in the cluster's order."""
+        now = self.clock()
+        found = {}
+        for task in self.tasks:
+            known = self.last.get(task)
+            found[task] = Heard(known[0], now - known[1]) if known else Heard(None, None)
+        return found
+
+    def withdraw(self) -> None:
+        """Remove this worker's key (a worker that stops watching says nothing stale)."""
+        with contextlib.suppress(Exception):
+            self.call(self.delete, self._key(self.me))

@@ -1,0 +1,293 @@
+"""Which worker holds the others back (safestrategy._peers): the pure verdict and
+whereabouts from hand-built inputs, the key-value board on a stand-in store, then real
+workers on 127.0.0.1 (tests/peers_worker.py), one per verdict."""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+from safestrategy import _peers
+from safestrategy._peers import GONE, HELD, STUCK, UNSEEN, Beat, Heard
+
+from .conftest import ROOT, needs_tf, tf_configs
+
+TASKS = ("worker:0", "worker:1", "worker:2")
+
+
+def beat(task, where=_peers.STEP, seconds=600.0, at="train.py:40", sample=9):
+    return Beat(task, "host", sample, where, seconds, at)
+
+
+def heard(*wheres, ago=1.0):
+    """Every worker heard ``ago`` s ago (worker:0 is this one, heard now)."""
+    return {
+        task: Heard(beat(task, where), 0.0 if task == "worker:0" else ago)
+        for task, where in zip(TASKS, wheres)
+    }
+
+
+def test_every_worker_inside_the_step_is_the_communication():
+    for wheres in ((_peers.STEP, _peers.STEP, _peers.STEP), (_peers.PY_FUNCTION,) * 2):
+        verdict = _peers.verdict("worker:0", heard(*wheres), 5.0)
+        assert (verdict.kind, verdict.task) == (STUCK, None)
+        assert verdict.line.startswith("every worker is inside the same step")
+
+
+@pytest.mark.parametrize("where", [_peers.INPUT, _peers.OUTSIDE, _peers.CHECKPOINT])
+def test_a_worker_away_from_the_allreduce_holds_the_others_back(where):
+    verdict = _peers.verdict("worker:0", heard(_peers.STEP, where, _peers.STEP), 5.0)
+    assert (verdict.kind, verdict.task) == (HELD, "worker:1")
+    assert verdict.line == (
+        f"worker:1 holds the others back: {_peers.WHERE[where]} for 600 s (train.py:40)"
+    )
+    # every worker draws the same verdict, the culprit too
+    assert _peers.verdict("worker:1", heard(_peers.STEP, where, _peers.STEP), 5.0) == verdict
+
+
+def test_a_py_function_that_the_others_wait_for_holds_them_back():
+    verdict = _peers.verdict("worker:0", heard(_peers.STEP, _peers.PY_FUNCTION), 5.0)
+    assert (verdict.kind, verdict.task) == (HELD, "worker:1")
+    assert "running your Python in a py_function for 600 s" in verdict.line
+
+
+def test_a_worker_unheard_for_more_than_two_samples_stopped_answering():
+    stale = heard(_peers.STEP, _peers.STEP, _peers.STEP)
+    stale["worker:2"] = Heard(beat("worker:2"), 11.2)  # 2 samples of 5 s, and a second more
+    verdict = _peers.verdict("worker:0", stale, 5.0)
+    assert (verdict.kind, verdict.task, verdict.line) == (
+        GONE,
+        "worker:2",
+        "worker:2 stopped answering 11 s ago",
+    )
+    stale["worker:2"] = Heard(beat("worker:2"), 10.9)
+    assert _peers.verdict("worker:0", stale, 5.0).kind == STUCK  # not yet
+    never = {**stale, "worker:2": Heard(None, None)}  # a worker without safestrategy
+    assert "worker:2 was never heard from" in _peers.verdict("worker:0", never, 5.0).line
+    assert _peers.verdict("worker:0", stale, 5.0, seen=False).kind == UNSEEN
+
+
+def test_the_table_shows_every_worker():
+    text = _peers.table("worker:0", heard(_peers.STEP, _peers.INPUT, ago=2.4))
+    lines = text.splitlines()
+    assert lines[0].split() == ["task", "host", "where", "since", "last", "heard"]
+    assert "this worker" in lines[1] and "waiting for input data (train.py:40)" in lines[2]
+    assert lines[2].rstrip().endswith("2 s ago")
+
+
+def fake_frame(filename, name, back=None, line=1):
+    code = types.SimpleNamespace(co_filename=filename, co_name=name)
+    return types.SimpleNamespace(f_code=code, f_back=back, f_lineno=line, f_locals={})
+
+
+TF = "/v/site-packages/tensorflow/python"
+
+
+def library(filename):
+    return "site-packages" in filename
+
+
+def test_whereabouts_reads_the_threads_as_the_watchdog_samples_them():
+    main = fake_frame("/me/train.py", "<module>", line=88)
+    assert _peers.whereabouts({1: main}, {}, 1, library) == (_peers.OUTSIDE, "train.py:88")
+    step = fake_frame(f"{TF}/eager/def_function.py", "__call__", main)
+    assert _peers.whereabouts({1: step}, {1: "step"}, 1, library) == (_peers.STEP, "train.py:88")
+    assert _peers.whereabouts({1: step}, {1: "input"}, 1, library)[0] == _peers.INPUT
+    user = fake_frame("/me/layers.py", "sleepy", fake_frame(f"{TF}/ops/script_ops.py", "__call__"))
+    frames = {1: step, 2: user}
+    assert _peers.whereabouts(frames, {1: "step"}, 1, library) == (
+        _peers.PY_FUNCTION,
+        "layers.py:1",
+    )
+    saving = fake_frame(f"{TF}/checkpoint/checkpoint.py", "save", main)
+    assert _peers.whereabouts({1: saving}, {}, 1, library)[0] == _peers.CHECKPOINT
+
+
+class Store:
+    """TensorFlow's key-value store as it behaves (TF 2.21): a key is inserted once, a read
+    waits for it up to its timeout; ``frozen`` makes every call hang (a SIGSTOPped leader)."""
+
+    def __init__(self):
+        self.values, self.frozen = {}, threading.Event()
+
+    def _wait(self):
+        if self.frozen.is_set():
+            time.sleep(3600)
+
+    def put(self, key, value):
+        self._wait()
+        if key in self.values:
+            raise RuntimeError(f"AlreadyExistsError: key {key} already exists.")
+        self.values[key] = value
+
+    def get(self, key, timeout_in_ms):
+        self._wait()
+        if key not in self.values:
+            time.sleep(timeout_in_ms / 1000)
+            raise type("DeadlineExceededError", (Exception,), {})(key)
+        return self.values[key]
+
+    def delete(self, key):
+        self._wait()
+        self.values.pop(key, None)
+
+    def kv(self):
+        return self.put, self.get, self.delete
+
+
+def test_the_board_publishes_over_and_over_and_hears_a_counter_change():
+    store, now = Store(), [100.0]
+    cluster = ["127.0.0.1:1", "127.0.0.1:2"]
+    zero = _peers.Board(store.kv(), cluster, TASKS[:2], "worker:0", lambda: now[0])
+    one = _peers.Board(store.kv(), cluster, TASKS[:2], "worker:1", lambda: now[0])
+    for sample in (1, 2):
+        one.publish(sample, _peers.STEP, 3.0 * sample, "train.py:9")  # inserted again
+        zero.publish(sample, _peers.STEP, 3.0, "")
+        zero.look()
+        now[0] += 5
+    assert zero.heard()["worker:1"] == Heard(
+        Beat("worker:1", one.host, 2, "step", 6.0, "train.py:9"), 5.0
+    )
+    zero.look()  # the same counter again: heard no later
+    now[0] += 5
+    assert zero.heard()["worker:1"].ago == 10.0 and zero.seen
+
+
+def test_a_frozen_service_bounds_every_call_and_the_peers_are_unseen():
+    store = Store()
+    board = _peers.Board(store.kv(), ["a", "b"], TASKS[:2], "worker:0")
+    store.frozen.set()
+    started = time.monotonic()
+    board.publish(1, _peers.STEP, 1.0, "")
+    board.look()
+    assert time.monotonic() - started < 1.5  # one bounded wait, then "still stuck" at once
+    assert not board.seen
+    verdict = _peers.verdict("worker:0", board.heard(), 5.0, board.seen)
+    assert verdict.kind == UNSEEN and "could not be seen" in verdict.line
+
+
+# --- real workers on 127.0.0.1 ----------------------------------------------------------
+
+WORKER = str(ROOT / "tests" / "peers_worker.py")
+STALL = 5  #: the stall timeout the workers watch with once their step is compiled
+WAIT = 240  #: seconds a worker may take to start and compile on a loaded 2-core machine
+
+
+@contextlib.contextmanager
+def workers(tmp_path, scenario, culprit, count):
+    """``count`` workers of ``scenario`` started, each writing to its own files, all READY;
+    yields (processes, outputs); every one is killed at the end, whatever happened."""
+    base = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    base.update(PEERS_STALL_TIMEOUT=str(STALL), SAFESTRATEGY_STALL_ACTION="exit")
+    processes, outputs = [], []
+    try:
+        for index, config in enumerate(tf_configs(count)):
+            out, err = tmp_path / f"out-{index}", tmp_path / f"err-{index}"
+            env = dict(base, TF_CONFIG=config, SAFESTRATEGY_CACHE_DIR=str(tmp_path / f"c{index}"))
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, WORKER, scenario, str(culprit)],
+                        stdout=stdout,
+                        stderr=stderr,
+                        env=env,
+                    )
+                )
+            outputs.append((out, err))
+        deadline = time.monotonic() + WAIT
+        while not all("READY" in out.read_text() for out, _ in outputs):
+            died = [p.returncode for p in processes if p.poll() is not None]
+            if died or time.monotonic() > deadline:
+                tails = "\n".join(err.read_text()[-2000:] for _, err in outputs)
+                pytest.fail(f"the workers did not all start (exits {died}):\n{tails}")
+            time.sleep(0.2)
+        yield processes, outputs
+    finally:
+        for process in processes:
+            with contextlib.suppress(OSError):
+                process.kill()
+            process.wait(timeout=30)
+
+
+def stalled(processes, outputs, culprit):
+    """Wait (bounded) for every worker but the culprit to end; each one's stderr."""
+    for index, process in enumerate(processes):
+        if index != culprit:
+            try:
+                process.wait(timeout=STALL * 6 + 30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"worker {index} never ended:\n{outputs[index][1].read_text()[-3000:]}")
+    return [err.read_text() for _, err in outputs]
+
+
+def verdict_of(text):
+    found = re.search(r"^(worker:\d .*|every worker is inside the same step.*)\.$", text, re.M)
+    return found.group(1) if found else text[-3000:]
+
+
+@needs_tf
+@pytest.mark.skipif(os.name != "posix", reason="SIGSTOP is POSIX")
+def test_three_workers_name_the_one_that_sleeps_between_steps(tf2, tmp_path):
+    if _peers_unavailable(tf2):
+        pytest.skip(_peers_unavailable(tf2))
+    with workers(tmp_path, "sleep", 2, 3) as (processes, outputs):
+        errors = stalled(processes, outputs, 2)
+        time.sleep(1)  # the culprit's own notice comes at its next sample
+        culprit = outputs[2][1].read_text()
+    for index in (0, 1):
+        assert processes[index].returncode == 75, errors[index][-3000:]
+        said = verdict_of(errors[index])
+        assert said.startswith("worker:2 holds the others back: outside any TensorFlow call"), said
+        assert "peers_worker.py:" in said and "Not recorded: a worker outside" in errors[index]
+        assert "workers:" in errors[index]
+    assert "this worker (worker:2) holds the others back" in culprit
+    listed = [tmp_path / f"c{i}" for i in range(3)]
+    assert not any((c / "mwstall").exists() and list((c / "mwstall").iterdir()) for c in listed)
+
+
+@needs_tf
+@pytest.mark.skipif(os.name != "posix", reason="SIGSTOP is POSIX")
+def test_a_sigstopped_worker_stopped_answering(tf2, tmp_path):
+    if _peers_unavailable(tf2):
+        pytest.skip(_peers_unavailable(tf2))
+    with workers(tmp_path, "stop", 1, 2) as (processes, outputs):
+        time.sleep(STALL / 5 * 2 + 0.5)  # two samples: its peer has heard it step
+        os.kill(processes[1].pid, signal.SIGSTOP)
+        errors = stalled(processes, outputs, 1)
+    assert processes[0].returncode == 75, errors[0][-3000:]
+    assert re.match(r"worker:1 stopped answering \d+ s ago$", verdict_of(errors[0])), errors[0]
+
+
+@needs_tf
+def test_every_worker_inside_the_same_step_is_recorded_against_the_communication(tf2, tmp_path):
+    if _peers_unavailable(tf2):
+        pytest.skip(_peers_unavailable(tf2))
+    with workers(tmp_path, "all", -1, 2) as (processes, outputs):
+        errors = stalled(processes, outputs, -1)
+    from safestrategy.checks import stalls
+
+    for index in (0, 1):
+        assert processes[index].returncode == 75, errors[index][-3000:]
+        assert verdict_of(errors[index]).startswith("every worker is inside the same step")
+        (record,) = [s for _, _, s in stalls.every(str(tmp_path / f"c{index}"))]
+        assert record.cause.startswith("every worker is inside the same step")
+
+
+def _peers_unavailable(tf):
+    """Why this TensorFlow cannot share whereabouts (None: it can): asked as the factory
+    asks, of a real context's calls."""
+    from tensorflow.python.eager import context
+
+    get = context.context().get_config_key_value
+    import inspect
+
+    if "timeout_in_ms" not in inspect.signature(get).parameters:
+        return f"TF {tf.__version__}'s get_config_key_value has no timeout: said once, tested below"
+    return None
