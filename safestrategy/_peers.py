@@ -183,11 +183,24 @@ def _name(heard: Heard, task: str) -> str:
     return f"{task} stopped answering {heard.ago:.0f} s ago"
 
 
-def verdict(me: str, heard: Mapping[str, Heard], interval: float, seen: bool = True) -> Verdict:
+def verdict(
+    me: str,
+    heard: Mapping[str, Heard],
+    interval: float,
+    seen: bool = True,
+    leader: Optional[str] = None,
+) -> Verdict:
     """The verdict from every worker's last beat (``heard``, by task, this worker's
     included), judged alike on every worker. ``interval``: seconds between samples; a
     worker not heard for more than two of them has stopped answering. ``seen``: whether
-    the coordination service answered this worker at all."""
+    the coordination service answered this worker's latest look; ``leader``: the worker
+    that serves it, once it has answered (a service that answered and then stopped is its
+    leader gone: killed, frozen, its host lost)."""
+    if not seen and leader is not None and leader != me:
+        one = heard.get(leader, Heard(None, None))
+        ago = f" {one.ago:.0f} s ago" if one.ago is not None else ""
+        line = f"{leader} stopped answering{ago} (it serves TensorFlow's coordination service)"
+        return Verdict(GONE, leader, line)
     if not seen:
         return Verdict(UNSEEN, None, "the other workers could not be seen (TensorFlow's "
                        "coordination service did not answer)")  # fmt: skip
@@ -293,6 +306,7 @@ class Board:
         self.call = _Bounded()
         self.last: Dict[str, Tuple[Beat, float]] = {}  # task -> (beat, when its counter changed)
         self.seen = True  #: whether the service answered the latest look
+        self.answered = False  #: whether it ever answered
 
     def _key(self, task: str) -> str:
         return f"{self.prefix}/{task}"
@@ -329,6 +343,7 @@ class Board:
             elif type(value).__name__ in ("DeadlineExceededError", "NotFoundError"):
                 answered = True  # the service answered: that worker has said nothing
         self.seen = answered or len(self.tasks) < 2
+        self.answered = self.answered or answered
 
     def heard(self) -> Dict[str, Heard]:
         """Every worker as last heard, in the cluster's order."""
@@ -338,6 +353,11 @@ class Board:
             known = self.last.get(task)
             found[task] = Heard(known[0], now - known[1]) if known else Heard(None, None)
         return found
+
+    def verdict(self, interval: float) -> Verdict:
+        """:func:`verdict` from what this board heard (the leader: the cluster's first)."""
+        leader = self.tasks[0] if self.answered and self.tasks else None
+        return verdict(self.me, self.heard(), interval, self.seen, leader)
 
     def withdraw(self) -> None:
         """Remove this worker's key (a worker that stops watching says nothing stale)."""

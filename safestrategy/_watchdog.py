@@ -532,7 +532,7 @@ def _run() -> None:
         stopped = stopped_for(now - before, pause)
         state, events = advance(state, seen, now, settings.timeout, stopped)
         board = _board
-        if board is not None:
+        if board is not None:  # before any stall is handled: the peers hear it as it fires
             try:
                 _publish(board, sample, seen, frames, now, stopped, settings)
             except Exception:  # peers are an explanation, never a reason to stop watching
@@ -577,9 +577,10 @@ def _publish(
     heard = board.heard()
     peers = [one.beat for task, one in heard.items() if task != board.me]
     waiting = [b for b in peers if b is not None and b.where in (_peers.STEP, _peers.PY_FUNCTION)]
-    if waiting and all(b.seconds >= settings.timeout for b in waiting):
+    # a peer fires within a sample of its call reaching the timeout
+    if waiting and all(b.seconds >= settings.timeout - interval(settings.timeout) for b in waiting):
         _Here.said = True
-        verdict = _peers.verdict(board.me, heard, interval(settings.timeout), board.seen)
+        verdict = board.verdict(interval(settings.timeout))
         logger.error(
             "this worker (%s) holds the others back: %s\nworkers:\n%s\nNothing is recorded: "
             "another communication would wait for this worker the same way.",
@@ -628,9 +629,8 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
         culprit = culprit._replace(place=None)
     board, peers = _board, None
     if board is not None and culprit is not None and culprit.report.task is not None:
-        heard = board.heard()
-        verdict = _peers.verdict(board.me, heard, interval(settings.timeout), board.seen)
-        peers = verdict, _peers.table(board.me, heard)
+        verdict = board.verdict(interval(settings.timeout))
+        peers = verdict, _peers.table(board.me, board.heard())
         if verdict.kind in (_peers.HELD, _peers.GONE):  # not the communication's doing
             culprit = culprit._replace(place=None)
     stack = stack_text(frame, event.watched.call) if frame is not None else "  (gone)"

@@ -11,59 +11,113 @@ turns it on and the workers step until one of:
 - ``stop``: nothing here: the test SIGSTOPs worker CULPRIT after ``READY``;
 - ``all``: every worker's step blocks in a ``py_function`` (the same step).
 
-Prints ``READY <pid>`` once stepping.
+Prints ``READY <pid>`` once stepping. :func:`cluster` starts the workers (for the
+tests and ``benchmarks/peers_trials.py``).
 """
 
+import contextlib
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = "off"  # the first step compiles unwatched
-
-import tensorflow as tf
-
-import safestrategy
-from safestrategy import _env, _watchdog
-
-SCENARIO, CULPRIT = sys.argv[1], int(sys.argv[2])
-INDEX = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-armed = {"on": False}
-
-strategy = safestrategy.make_multiworker_strategy()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def value(x):
-    if armed["on"] and SCENARIO == "all":
-        time.sleep(3600)
-    return x
+def tf_configs(count):
+    """``count`` workers' TF_CONFIG values on 127.0.0.1, on ports free now."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for one in sockets:
+            one.bind(("127.0.0.1", 0))
+        workers = [f"127.0.0.1:{one.getsockname()[1]}" for one in sockets]
+    finally:
+        for one in sockets:
+            one.close()
+    return [
+        json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
+        for i in range(count)
+    ]
 
 
-@tf.function
-def step(x):
-    def replica(x):
-        x = tf.py_function(value, [x], tf.float32)
-        return tf.distribute.get_replica_context().all_reduce("sum", x)
+@contextlib.contextmanager
+def cluster(where, scenario, culprit, count, stall, wait, fail):
+    """``count`` workers of ``scenario`` started in ``where`` (each writes ``out-<i>`` and
+    ``err-<i>``, and has its own cache ``c<i>``), all READY within ``wait`` s (else
+    ``fail(why)``); yields (processes, [(out, err)]); every one is killed at the end."""
+    base = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    base.update(PEERS_STALL_TIMEOUT=str(stall), SAFESTRATEGY_STALL_ACTION="exit")
+    processes, outputs = [], []
+    try:
+        for index, config in enumerate(tf_configs(count)):
+            out, err = where / f"out-{index}", where / f"err-{index}"
+            env = dict(base, TF_CONFIG=config, SAFESTRATEGY_CACHE_DIR=str(where / f"c{index}"))
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                command = [sys.executable, os.path.abspath(__file__), scenario, str(culprit)]
+                processes.append(subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env))
+            outputs.append((out, err))
+        deadline = time.monotonic() + wait
+        while not all("READY" in out.read_text() for out, _ in outputs):
+            died = [p.returncode for p in processes if p.poll() is not None]
+            if died or time.monotonic() > deadline:
+                tails = "\n".join(err.read_text()[-2000:] for _, err in outputs)
+                fail(f"the workers did not all start (exits {died}):\n{tails}")
+            time.sleep(0.2)
+        yield processes, outputs
+    finally:
+        for process in processes:
+            with contextlib.suppress(OSError):
+                process.kill()
+            process.wait(timeout=30)
 
-    return strategy.run(replica, (x,))
 
+def main(scenario, culprit):
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = "off"  # the first step compiles unwatched
+    sys.path.insert(0, ROOT)
+    import tensorflow as tf
 
-def batches():
-    while True:
-        if armed["on"] and SCENARIO == "input" and INDEX == CULPRIT:
+    import safestrategy
+    from safestrategy import _env, _watchdog
+
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    armed = {"on": False}
+    strategy = safestrategy.make_multiworker_strategy()
+
+    def value(x):
+        if armed["on"] and scenario == "all":
             time.sleep(3600)
-        yield 1.0
+        return x
+
+    @tf.function
+    def step(x):
+        def replica(x):
+            x = tf.py_function(value, [x], tf.float32)
+            return tf.distribute.get_replica_context().all_reduce("sum", x)
+
+        return strategy.run(replica, (x,))
+
+    def batches():
+        while True:
+            if armed["on"] and scenario == "input" and index == culprit:
+                time.sleep(3600)
+            yield 1.0
+
+    spec = tf.TensorSpec((), tf.float32)
+    data = iter(tf.data.Dataset.from_generator(batches, output_signature=spec))
+    step(next(data))  # traced and compiled
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = os.environ["PEERS_STALL_TIMEOUT"]
+    watched = _watchdog._watched[-1]
+    board = _watchdog._board
+    _watchdog.watch(_env.resolve_stall(), watched.report, strategy, watched.place, board)
+    armed["on"] = True
+    print("READY", os.getpid(), flush=True)
+    for number in range(100000):
+        if scenario == "sleep" and index == culprit and number == 3:
+            time.sleep(3600)  # the user's own Python, between steps
+        step(next(data))
 
 
-data = iter(tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((), tf.float32)))
-step(next(data))  # traced and compiled
-os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = os.environ["PEERS_STALL_TIMEOUT"]
-watched = _watchdog._watched[-1]
-_watchdog.watch(_env.resolve_stall(), watched.report, strategy, watched.place, _watchdog._board)
-armed["on"] = True
-print("READY", os.getpid(), flush=True)
-for number in range(100000):
-    if SCENARIO == "sleep" and INDEX == CULPRIT and number == 3:
-        time.sleep(3600)  # the user's own Python, between steps
-    step(next(data))
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -2,12 +2,10 @@
 whereabouts from hand-built inputs, the key-value board on a stand-in store, then real
 workers on 127.0.0.1 (tests/peers_worker.py), one per verdict."""
 
-import contextlib
 import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import types
@@ -17,7 +15,8 @@ import pytest
 from safestrategy import _peers
 from safestrategy._peers import GONE, HELD, STUCK, UNSEEN, Beat, Heard
 
-from .conftest import ROOT, needs_tf, tf_configs
+from . import peers_worker
+from .conftest import needs_tf
 
 TASKS = ("worker:0", "worker:1", "worker:2")
 
@@ -175,45 +174,13 @@ def test_a_frozen_service_bounds_every_call_and_the_peers_are_unseen():
 
 # --- real workers on 127.0.0.1 ----------------------------------------------------------
 
-WORKER = str(ROOT / "tests" / "peers_worker.py")
 STALL = 5  #: the stall timeout the workers watch with once their step is compiled
 WAIT = 240  #: seconds a worker may take to start and compile on a loaded 2-core machine
 
 
-@contextlib.contextmanager
 def workers(tmp_path, scenario, culprit, count):
-    """``count`` workers of ``scenario`` started, each writing to its own files, all READY;
-    yields (processes, outputs); every one is killed at the end, whatever happened."""
-    base = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    base.update(PEERS_STALL_TIMEOUT=str(STALL), SAFESTRATEGY_STALL_ACTION="exit")
-    processes, outputs = [], []
-    try:
-        for index, config in enumerate(tf_configs(count)):
-            out, err = tmp_path / f"out-{index}", tmp_path / f"err-{index}"
-            env = dict(base, TF_CONFIG=config, SAFESTRATEGY_CACHE_DIR=str(tmp_path / f"c{index}"))
-            with open(out, "w") as stdout, open(err, "w") as stderr:
-                processes.append(
-                    subprocess.Popen(
-                        [sys.executable, WORKER, scenario, str(culprit)],
-                        stdout=stdout,
-                        stderr=stderr,
-                        env=env,
-                    )
-                )
-            outputs.append((out, err))
-        deadline = time.monotonic() + WAIT
-        while not all("READY" in out.read_text() for out, _ in outputs):
-            died = [p.returncode for p in processes if p.poll() is not None]
-            if died or time.monotonic() > deadline:
-                tails = "\n".join(err.read_text()[-2000:] for _, err in outputs)
-                pytest.fail(f"the workers did not all start (exits {died}):\n{tails}")
-            time.sleep(0.2)
-        yield processes, outputs
-    finally:
-        for process in processes:
-            with contextlib.suppress(OSError):
-                process.kill()
-            process.wait(timeout=30)
+    """``count`` workers of ``scenario``, all READY (tests/peers_worker.py's launcher)."""
+    return peers_worker.cluster(tmp_path, scenario, culprit, count, STALL, WAIT, pytest.fail)
 
 
 def stalled(processes, outputs, culprit):
@@ -239,7 +206,11 @@ def test_three_workers_name_the_one_that_sleeps_between_steps(tf2, tmp_path):
         pytest.skip(_peers_unavailable(tf2))
     with workers(tmp_path, "sleep", 2, 3) as (processes, outputs):
         errors = stalled(processes, outputs, 2)
-        time.sleep(1)  # the culprit's own notice comes at its next sample
+        deadline = time.monotonic() + 3 * STALL / 5  # the culprit says so at a sample
+        while "holds the others back" not in outputs[2][1].read_text():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         culprit = outputs[2][1].read_text()
     for index in (0, 1):
         assert processes[index].returncode == 75, errors[index][-3000:]
@@ -291,3 +262,18 @@ def _peers_unavailable(tf):
     if "timeout_in_ms" not in inspect.signature(get).parameters:
         return f"TF {tf.__version__}'s get_config_key_value has no timeout: said once, tested below"
     return None
+
+
+def test_a_service_that_answered_then_stopped_is_its_leader_gone():
+    store = Store()
+    cluster = ["127.0.0.1:1", "127.0.0.1:2"]
+    leader = _peers.Board(store.kv(), cluster, TASKS[:2], "worker:0")
+    board = _peers.Board(store.kv(), cluster, TASKS[:2], "worker:1")
+    leader.publish(1, _peers.STEP, 1.0, "")
+    board.look()
+    assert board.answered and board.seen
+    store.frozen.set()  # the leader, which serves the store, is SIGSTOPped or killed
+    board.look()
+    verdict = board.verdict(5.0)
+    assert (verdict.kind, verdict.task) == (GONE, "worker:0")
+    assert "(it serves TensorFlow's coordination service)" in verdict.line
