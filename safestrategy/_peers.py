@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import socket
 import threading
 import time
@@ -37,6 +38,20 @@ PREFIX = "safestrategy/peers"
 BOUND = 1.0
 #: Milliseconds a read waits for a key no worker has written (a peer without safestrategy).
 ABSENT_MS = 100
+
+#: Multi-worker: the collectives were aborted because a peer is gone: TF's health check
+#: ("is down"), the coordination service (a peer "stopped sending heartbeats"), or the
+#: transport to a peer that died ("Socket closed" from a remote target, the coordination
+#: service's leader among them).
+PEER_GONE = (
+    "is down",
+    "check alive failed",
+    "heartbeat",
+    "coordination service",
+    "Socket closed",
+    "Connection reset by peer",
+    "failed to connect to all addresses",
+)
 
 STEP = "step"  #: inside a step or ``strategy.run`` (where the all-reduce waits)
 PY_FUNCTION = "py_function"  #: running the user's Python inside a ``py_function``
@@ -245,6 +260,25 @@ def table(me: str, heard: Mapping[str, Heard]) -> str:
         "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
         for row in rows
     )
+
+
+#: Where TensorFlow's error names the worker that is gone: its coordination service's list
+#: of unhealthy tasks, the remote target a transport error came from, a task "is down".
+_GONE_TASK = re.compile(
+    r"(?:unhealthy[^\n]*\n\s*|remote target |task )/job:(\w+)(?:/replica:\d+)?/task:(\d+)"
+)
+
+
+def gone_in(error: str, me: str) -> Optional[str]:
+    """The worker an abort's text says is gone (``"worker:1"``; never ``me``), if it
+    says one and it is an abort for a peer gone (:data:`PEER_GONE`)."""
+    if not any(word in error for word in PEER_GONE):
+        return None
+    for job, index in _GONE_TASK.findall(error):
+        task = f"{job}:{index}"
+        if task != me:
+            return task
+    return None
 
 
 def cluster_id(addresses: Sequence[str]) -> str:

@@ -740,3 +740,56 @@ def _collective_timeout(timeout: float, error: BaseException, trace: Any) -> Non
     text = collective_timeout_message(timeout, error, stack, report, _nccl_variables(), place)
     _stalled(text, culprit, timeout)
     _flush_logs()
+
+
+_peers_hooked = False
+
+
+def report_lost_peers() -> None:
+    """Multi-worker: when TensorFlow aborts the collectives because a peer is gone (its
+    health check, the coordination service, the transport to a dead peer; what ends the
+    others first when a worker is killed or stopped and the stall timeout is long), and
+    nothing catches it, say which worker and show every worker's last beat before Python
+    reports the error as usual. Installed once; the latest board applies."""
+    global _peers_hooked
+    if _peers_hooked:
+        return
+    _peers_hooked = True
+    before = sys.excepthook
+
+    def hook(kind: Any, error: BaseException, trace: Any) -> None:
+        board = _board
+        if board is not None:
+            try:
+                text = lost_peer_message(board, f"{kind.__name__}: {error}")
+                if text is not None:
+                    logger.error(text)
+                    _flush_logs()
+            except Exception:  # reporting must never hide the error itself
+                logger.debug("reporting a lost peer failed", exc_info=True)
+        before(kind, error, trace)
+
+    sys.excepthook = hook
+
+
+def lost_peer_message(board: _peers.Board, error: str) -> Optional[str]:
+    """The ERROR for an abort of the collectives because a peer is gone (None: it is not
+    one): the worker TensorFlow names, else the one the peers' beats say went quiet."""
+    if not any(word in error for word in _peers.PEER_GONE):
+        return None
+    settings = _settings
+    board.look()
+    task = _peers.gone_in(error, board.me)
+    if task is None:
+        verdict = board.verdict(interval(settings.timeout) if settings and settings.timeout else 5)
+        task = verdict.task if verdict.kind == _peers.GONE else None
+    heard = board.heard().get(task) if task is not None else None
+    ago = f" {heard.ago:.0f} s ago" if heard is not None and heard.ago is not None else ""
+    quoted = next(line.strip() for line in error.splitlines() if line.strip())[:200]
+    who = f"{task} stopped answering{ago}" if task else "a worker stopped answering"
+    return (
+        f"training stopped: {who}: TensorFlow aborted the collectives ({quoted}).\n"
+        f"workers:\n{_peers.table(board.me, board.heard())}\n"
+        "Nothing is recorded: a peer gone is no communication's fault (`python -m "
+        "safestrategy run` relaunches the training without a record)."
+    )

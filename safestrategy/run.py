@@ -32,6 +32,7 @@ import time
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from . import _env, _machine, _procs, _rundir
+from ._peers import PEER_GONE
 from ._watchdog import in_tf_call
 from .checks import stalls
 from .checks.stalls import Place
@@ -53,19 +54,6 @@ ALLREDUCE_ERRORS = (
     "ncclInvalidUsage",
     "Collective ops is aborted by",
     "NCCL error",
-)
-#: Multi-worker: the collectives were aborted because a peer is gone: TF's health check
-#: ("is down"), the coordination service (a peer "stopped sending heartbeats"), or the
-#: transport to a peer that died ("Socket closed" from a remote target, the coordination
-#: service's leader among them).
-PEER_GONE = (
-    "is down",
-    "check alive failed",
-    "heartbeat",
-    "coordination service",
-    "Socket closed",
-    "Connection reset by peer",
-    "failed to connect to all addresses",
 )
 #: Signals ``run`` passes on to the training (SIGINT as SIGINT, the others as SIGTERM).
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)

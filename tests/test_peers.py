@@ -277,3 +277,40 @@ def test_a_service_that_answered_then_stopped_is_its_leader_gone():
     verdict = board.verdict(5.0)
     assert (verdict.kind, verdict.task) == (GONE, "worker:0")
     assert "(it serves TensorFlow's coordination service)" in verdict.line
+
+
+@pytest.mark.parametrize(
+    "error, task",
+    [
+        (
+            "UnavailableError: Collective ops is aborted by: Error reported from "
+            "/job:worker/task:1: The following tasks are unhealthy (stopped sending "
+            "heartbeats):\n/job:worker/replica:0/task:1\n",
+            "worker:1",
+        ),
+        (
+            "UnavailableError: Collective ops is aborted by: Socket closed\nAdditional GRPC "
+            "error information from remote target /job:worker/replica:0/task:0 while calling "
+            "/tensorflow.WorkerService/RecvBuf:",
+            "worker:0",
+        ),
+        (
+            "UnavailableError: Collective ops is aborted by: task /job:worker/task:0 is down",
+            "worker:0",
+        ),
+        ("ValueError: the learning rate", None),
+    ],
+    ids=["unhealthy", "socket-closed", "is-down", "not-a-peer"],
+)
+def test_an_abort_for_a_peer_gone_names_the_worker_tensorflow_names(error, task):
+    assert _peers.gone_in(error, "worker:2") == task
+    from safestrategy import _watchdog
+
+    store = Store()
+    board = _peers.Board(store.kv(), ["a", "b", "c"], TASKS, "worker:2")
+    text = _watchdog.lost_peer_message(board, error)
+    if task is None:
+        assert text is None
+    else:
+        assert text.startswith(f"training stopped: {task} stopped answering")
+        assert "workers:" in text and "Nothing is recorded" in text

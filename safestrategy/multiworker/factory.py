@@ -468,7 +468,10 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     set_last_report(report)
     addresses = [str(address) for address in req.cluster.workers]
     place = stalls.on_worker(tf, addresses, req.cluster.task, report.backend in agree.READ)
-    _watchdog.watch(stall_settings, report, strategy, place, _board(tf, req.cluster))
+    board = _board(tf, req.cluster)
+    _watchdog.watch(stall_settings, report, strategy, place, board)
+    if board is not None:
+        _watchdog.report_lost_peers()
     _rundir.decision(stalls.decision_entry(report, place, stall_settings.timeout))
     timeout = getattr(kwargs.get("communication_options"), "timeout_seconds", None)
     if timeout:
