@@ -72,6 +72,8 @@ AWAY = (INPUT, CHECKPOINT, OUTSIDE)
 #: Frames that say what a thread is doing, by file (under ``tensorflow/python/``, or
 #: ``tensorflow_core/python/`` on TF 1.15) and function (None: any).
 _SIGNS: Tuple[Tuple[str, Optional[Tuple[str, ...]], str], ...] = (
+    # a Dataset.from_generator's generator runs in a py_function: that is input, not a step
+    ("data/ops/from_generator_op.py", None, INPUT),
     ("ops/script_ops.py", ("__call__",), PY_FUNCTION),
     (
         "checkpoint/*.py",
@@ -168,8 +170,8 @@ def whereabouts(
     """Where this worker is, and at which user line: ``frames`` every thread's innermost
     frame, ``in_calls`` the kind of TF call each thread is in (the watchdog's
     ``step``/``op``/``session``/``input``), ``main`` the main thread. A py_function's or a
-    checkpoint's thread speaks first (it is what the step waits on), then a step, then
-    input; with no thread in a TF call, the main thread's line."""
+    checkpoint's or an input generator's thread speaks first (it is what the step waits
+    on), then a step, then input; with no thread in a TF call, the main thread's line."""
     found: Dict[str, str] = {}
     for frame in frames.values():
         stack = _stack(frame)
@@ -178,7 +180,7 @@ def whereabouts(
             if sign is not None:
                 found.setdefault(sign, _line(stack, is_library))
                 break
-    for sign in (PY_FUNCTION, CHECKPOINT):
+    for sign in (PY_FUNCTION, CHECKPOINT, INPUT):
         if sign in found:
             return sign, found[sign]
     kinds = set(in_calls.values())

@@ -582,10 +582,9 @@ def _publish(
         _Here.said = True
         verdict = board.verdict(interval(settings.timeout))
         logger.error(
-            "this worker (%s) holds the others back: %s\nworkers:\n%s\nNothing is recorded: "
-            "another communication would wait for this worker the same way.",
-            board.me,
-            verdict.line,
+            "%s.\nworkers:\n%s\nNothing is recorded: another communication would wait for "
+            "this worker the same way.",
+            verdict.line.replace(f"{board.me} ", f"this worker ({board.me}) ", 1),
             _peers.table(board.me, heard),
         )
 

@@ -105,6 +105,19 @@ def test_whereabouts_reads_the_threads_as_the_watchdog_samples_them():
         _peers.PY_FUNCTION,
         "layers.py:1",
     )
+    generator = fake_frame(
+        "/me/data.py",
+        "batches",
+        fake_frame(
+            f"{TF}/data/ops/from_generator_op.py",
+            "generator_py_func",
+            fake_frame(f"{TF}/ops/script_ops.py", "__call__"),
+        ),
+    )
+    assert _peers.whereabouts({1: step, 2: generator}, {1: "step"}, 1, library) == (
+        _peers.INPUT,
+        "data.py:1",
+    )
     saving = fake_frame(f"{TF}/checkpoint/checkpoint.py", "save", main)
     assert _peers.whereabouts({1: saving}, {}, 1, library)[0] == _peers.CHECKPOINT
 
@@ -218,7 +231,7 @@ def test_three_workers_name_the_one_that_sleeps_between_steps(tf2, tmp_path):
         assert said.startswith("worker:2 holds the others back: outside any TensorFlow call"), said
         assert "peers_worker.py:" in said and "Not recorded: a worker outside" in errors[index]
         assert "workers:" in errors[index]
-    assert "this worker (worker:2) holds the others back" in culprit
+    assert "this worker (worker:2) holds the others back: outside any TensorFlow" in culprit
     listed = [tmp_path / f"c{i}" for i in range(3)]
     assert not any((c / "mwstall").exists() and list((c / "mwstall").iterdir()) for c in listed)
 
