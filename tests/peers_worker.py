@@ -9,7 +9,9 @@ turns it on and the workers step until one of:
 - ``sleep``: worker CULPRIT sleeps in its own Python between steps;
 - ``input``: worker CULPRIT's input pipeline (a generator) blocks;
 - ``stop``: nothing here: the test SIGSTOPs worker CULPRIT after ``READY``;
-- ``all``: every worker's step blocks in a ``py_function`` (the same step).
+- ``all``: every worker's step blocks in a ``py_function`` (the same step);
+- ``steady``: ``PEERS_ROUNDS`` rounds of ``PEERS_STEPS`` steps, publishing on every
+  other round (``benchmarks/peers_overhead.py``): prints ``ROUND <n> <on|off> <s>``.
 
 Prints ``READY <pid>`` once stepping. :func:`cluster` starts the workers (for the
 tests and ``benchmarks/peers_trials.py``).
@@ -113,6 +115,17 @@ def main(scenario, culprit):
     _watchdog.watch(_env.resolve_stall(), watched.report, strategy, watched.place, board)
     armed["on"] = True
     print("READY", os.getpid(), flush=True)
+    if scenario == "steady":
+        rounds, steps = int(os.environ["PEERS_ROUNDS"]), int(os.environ["PEERS_STEPS"])
+        for number in range(rounds):
+            publishing = number % 2 == 0  # the same rounds on every worker: they step together
+            _watchdog._board = board if publishing else None
+            started = time.perf_counter()
+            for _ in range(steps):
+                step(next(data))
+            seconds = time.perf_counter() - started
+            print("ROUND", number, "on" if publishing else "off", seconds, flush=True)
+        os._exit(0)
     for number in range(100000):
         if scenario == "sleep" and index == culprit and number == 3:
             time.sleep(3600)  # the user's own Python, between steps

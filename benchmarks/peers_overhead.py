@@ -1,0 +1,58 @@
+"""What publishing a worker's whereabouts costs a steady step (2 workers on 127.0.0.1).
+
+    PYTHONPATH=. .nox/tf221/bin/python benchmarks/peers_overhead.py [--rounds 11] [--steps 400]
+
+Two workers (tests/peers_worker.py ``steady``: RING on CPUs, a custom-loop step of a
+``py_function`` and an all-reduce; Keras 3's ``fit`` cannot train with
+MultiWorkerMirroredStrategy, keras-team/keras#20585) run rounds of the same steps,
+with the watchdog publishing and reading the peers' beats on every other round and
+not on the others (the same rounds on both workers: they step together). The stall
+timeout is 25 s, so the watchdog samples every 5 s, as with the default 600 s. Prints
+the median round of each variant and their ratio (worker 0's rounds; medians of
+interleaved rounds, the first pair dropped as warm-up). Not a timed test.
+"""
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests import peers_worker
+
+
+def fail(why):
+    raise SystemExit(why)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=11, help="pairs of rounds")
+    parser.add_argument("--steps", type=int, default=400, help="steps per round")
+    args = parser.parse_args()
+    import os
+
+    os.environ.update(PEERS_ROUNDS=str(2 * (args.rounds + 1)), PEERS_STEPS=str(args.steps))
+    with tempfile.TemporaryDirectory() as where:
+        where = Path(where)
+        with peers_worker.cluster(where, "steady", -1, 2, 25, 240, fail) as (processes, outputs):
+            for process in processes:
+                process.wait(timeout=3600)
+            text = outputs[0][0].read_text()
+    found = re.findall(r"^ROUND (\d+) (on|off) (\S+)$", text, re.MULTILINE)
+    times = {"on": [], "off": []}
+    for number, variant, seconds in found:
+        if int(number) >= 2:  # the first pair warms up
+            times[variant].append(float(seconds) / args.steps * 1000)
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    print(f"{len(times['on'])} interleaved pairs of {args.steps} steps, 2 workers")
+    print(f"step with publishing    {on:.3f} ms (median)")
+    print(f"step without publishing {off:.3f} ms (median)")
+    print(f"ratio {on / off:.4f}x (fastest rounds: {min(times['on']) / min(times['off']):.4f}x)")
+
+
+if __name__ == "__main__":
+    main()
