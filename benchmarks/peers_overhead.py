@@ -1,6 +1,6 @@
 """What publishing a worker's whereabouts costs a steady step (2 workers on 127.0.0.1).
 
-    PYTHONPATH=. .nox/tf221/bin/python benchmarks/peers_overhead.py [--rounds 11] [--steps 400]
+    PYTHONPATH=. .nox/tf221/bin/python benchmarks/peers_overhead.py [--rounds 11] [--steps 2000]
 
 Two workers (tests/peers_worker.py ``steady``: RING on CPUs, a custom-loop step of a
 ``py_function`` and an all-reduce; Keras 3's ``fit`` cannot train with
@@ -31,7 +31,7 @@ def fail(why):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11, help="pairs of rounds")
-    parser.add_argument("--steps", type=int, default=400, help="steps per round")
+    parser.add_argument("--steps", type=int, default=2000, help="steps per round (> 5 s)")
     args = parser.parse_args()
     import os
 
