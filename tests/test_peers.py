@@ -14,6 +14,7 @@ import pytest
 
 from safestrategy import _peers
 from safestrategy._peers import GONE, HELD, STUCK, UNSEEN, Beat, Heard
+from safestrategy.checks import stalls
 
 from . import peers_worker
 from .conftest import needs_tf
@@ -213,10 +214,7 @@ def verdict_of(text):
 
 
 @needs_tf
-@pytest.mark.skipif(os.name != "posix", reason="SIGSTOP is POSIX")
-def test_three_workers_name_the_one_that_sleeps_between_steps(tf2, tmp_path):
-    if _peers_unavailable(tf2):
-        pytest.skip(_peers_unavailable(tf2))
+def test_three_workers_name_the_one_that_sleeps_between_steps(seeing, tmp_path):
     with workers(tmp_path, "sleep", 2, 3) as (processes, outputs):
         errors = stalled(processes, outputs, 2)
         deadline = time.monotonic() + 3 * STALL / 5  # the culprit says so at a sample
@@ -232,15 +230,12 @@ def test_three_workers_name_the_one_that_sleeps_between_steps(tf2, tmp_path):
         assert "peers_worker.py:" in said and "Not recorded: a worker outside" in errors[index]
         assert "workers:" in errors[index]
     assert "this worker (worker:2) holds the others back: outside any TensorFlow" in culprit
-    listed = [tmp_path / f"c{i}" for i in range(3)]
-    assert not any((c / "mwstall").exists() and list((c / "mwstall").iterdir()) for c in listed)
+    assert all(stalls.every(str(tmp_path / f"c{i}")) == [] for i in range(3))  # none anywhere
 
 
 @needs_tf
 @pytest.mark.skipif(os.name != "posix", reason="SIGSTOP is POSIX")
-def test_a_sigstopped_worker_stopped_answering(tf2, tmp_path):
-    if _peers_unavailable(tf2):
-        pytest.skip(_peers_unavailable(tf2))
+def test_a_sigstopped_worker_stopped_answering(seeing, tmp_path):
     with workers(tmp_path, "stop", 1, 2) as (processes, outputs):
         time.sleep(STALL / 5 * 2 + 0.5)  # two samples: its peer has heard it step
         os.kill(processes[1].pid, signal.SIGSTOP)
@@ -250,13 +245,9 @@ def test_a_sigstopped_worker_stopped_answering(tf2, tmp_path):
 
 
 @needs_tf
-def test_every_worker_inside_the_same_step_is_recorded_against_the_communication(tf2, tmp_path):
-    if _peers_unavailable(tf2):
-        pytest.skip(_peers_unavailable(tf2))
+def test_every_worker_inside_the_same_step_is_recorded_against_the_communication(seeing, tmp_path):
     with workers(tmp_path, "all", -1, 2) as (processes, outputs):
         errors = stalled(processes, outputs, -1)
-    from safestrategy.checks import stalls
-
     for index in (0, 1):
         assert processes[index].returncode == 75, errors[index][-3000:]
         assert verdict_of(errors[index]).startswith("every worker is inside the same step")
@@ -264,17 +255,17 @@ def test_every_worker_inside_the_same_step_is_recorded_against_the_communication
         assert record.cause.startswith("every worker is inside the same step")
 
 
-def _peers_unavailable(tf):
-    """Why this TensorFlow cannot share whereabouts (None: it can): asked as the factory
-    asks, of a real context's calls."""
-    from tensorflow.python.eager import context
-
-    get = context.context().get_config_key_value
+@pytest.fixture
+def seeing(tf2):
+    """TF 2.x whose workers can see each other (a bounded read of the coordination
+    service's store, asked as the factory asks); else the test is skipped, saying why."""
     import inspect
 
-    if "timeout_in_ms" not in inspect.signature(get).parameters:
-        return f"TF {tf.__version__}'s get_config_key_value has no timeout: said once, tested below"
-    return None
+    from tensorflow.python.eager import context
+
+    if "timeout_in_ms" not in inspect.signature(context.context().get_config_key_value).parameters:
+        pytest.skip(f"TF {tf2.__version__}'s get_config_key_value has no timeout: said once")
+    return tf2
 
 
 def test_a_service_that_answered_then_stopped_is_its_leader_gone():
