@@ -394,8 +394,3 @@ class Board:
         """:func:`verdict` from what this board heard (the leader: the cluster's first)."""
         leader = self.tasks[0] if self.answered and self.tasks else None
         return verdict(self.me, self.heard(), interval, self.seen, leader)
-
-    def withdraw(self) -> None:
-        """Remove this worker's key (a worker that stops watching says nothing stale)."""
-        with contextlib.suppress(Exception):
-            self.call(self.delete, self._key(self.me))
