@@ -10,6 +10,8 @@ injected on the first launch only (``SAFESTRATEGY_RESTART`` is 0), in epoch 2:
 - ``stall``: a step blocks (a hung all-reduce, as far as anyone can tell);
 - ``always-stall``: every launch's step blocks;
 - ``crash``: a step fails with an NCCL error;
+- ``first-step``: the very first step (0.5 s after the factory, before any heartbeat)
+  aborts (SIGABRT), as NCCL usually dies;
 - ``starve``: a step holds the GIL (``sleep`` through ``ctypes.PyDLL``), so the
   watchdog's thread cannot run, and neither can its heartbeat; the first launch also
   leaves a (fake) probe process and a grandchild that ignores SIGTERM (``ORPHANS <pids>``);
@@ -71,6 +73,8 @@ def misbehave(x):
         time.sleep(3600)
     if SCENARIO == "crash":
         raise RuntimeError("ncclUnhandledCudaError: Call to CUDA function failed (fake)")
+    if SCENARIO == "first-step":
+        os.abort()
     if SCENARIO == "starve":
         time.sleep(2.0)  # inside the step long enough for a heartbeat to say so
         ctypes.PyDLL(None).sleep(3600)  # holds the GIL
@@ -103,6 +107,7 @@ with strategy.scope():
     model = tf.keras.Sequential([tf.keras.Input((4,)), Troubled(), tf.keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
 x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+trouble["armed"] = SCENARIO == "first-step" and FIRST
 model.train_on_batch(x[:8], y[:8])  # the step is traced and compiled here, unwatched
 os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = T
 safestrategy.make_mirrored_strategy(DEVICES)  # the same decision, now watched

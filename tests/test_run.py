@@ -358,6 +358,14 @@ def test_an_nccl_error_is_a_crash_record_and_the_relaunch_takes_another_backend(
 
 
 @needs_tf
+def test_an_abort_in_the_first_step_before_any_heartbeat_is_a_crash(tf2, tmp_path):
+    done = supervised("first-step", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training crashed on hierarchical_copy (killed by SIGABRT) (recorded)" in done.stderr
+    assert backends(done) == ["reduce_to_cpu"]  # launch 1 died in its first step
+
+
+@needs_tf
 def test_the_users_own_error_and_a_death_in_teardown_are_not_relaunched(tf2, tmp_path):
     user = supervised("user", tmp_path)
     assert user.returncode == 1 and "ValueError: the learning rate" in user.stderr
