@@ -213,15 +213,18 @@ def verdict(
     the coordination service answered this worker's latest look; ``leader``: the worker
     that serves it, once it has answered (a service that answered and then stopped is its
     leader gone: killed, frozen, its host lost)."""
+    late = 2 * interval + 1.0
     if not seen and leader is not None and leader != me:
         one = heard.get(leader, Heard(None, None))
-        ago = f" {one.ago:.0f} s ago" if one.ago is not None else ""
-        line = f"{leader} stopped answering{ago} (it serves TensorFlow's coordination service)"
-        return Verdict(GONE, leader, line)
+        if one.beat is None or one.ago is None or one.ago > late:
+            ago = f" {one.ago:.0f} s ago" if one.ago is not None else ""
+            line = f"{leader} stopped answering{ago} (it serves TensorFlow's coordination service)"
+            return Verdict(GONE, leader, line)
+        seen = True  # it went a moment ago (it may have just ended on its own stall): the
+        # beats heard until then still say what held the workers
     if not seen:
         return Verdict(UNSEEN, None, "the other workers could not be seen (TensorFlow's "
                        "coordination service did not answer)")  # fmt: skip
-    late = 2 * interval + 1.0
     for task, one in heard.items():
         if task != me and (one.beat is None or (one.ago is not None and one.ago > late)):
             return Verdict(GONE, task, _name(one, task))

@@ -278,6 +278,10 @@ def test_a_service_that_answered_then_stopped_is_its_leader_gone():
     assert board.answered and board.seen
     store.frozen.set()  # the leader, which serves the store, is SIGSTOPped or killed
     board.look()
+    # a moment ago: the beats heard until then speak (it may have ended on its own stall)
+    assert board.verdict(5.0).kind == STUCK
+    now = time.monotonic()
+    board.clock = lambda: now + 12  # more than two samples of 5 s later
     verdict = board.verdict(5.0)
     assert (verdict.kind, verdict.task) == (GONE, "worker:0")
     assert "(it serves TensorFlow's coordination service)" in verdict.line
