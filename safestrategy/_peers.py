@@ -101,6 +101,10 @@ class Beat(NamedTuple):
     where: str  #: one of :data:`WHERE`
     seconds: float  #: for how long it has been there, on its own clock (time stopped left out)
     at: str = ""  #: the user's line it is at ("train.py:40"), where known
+    #: the verdict this worker drew when its own stall fired (its last beat): peers whose
+    #: collectives TensorFlow aborts as it ends take the same one
+    said: str = ""
+    kind: str = ""  #: that verdict's kind
 
     def to_json(self) -> str:
         return json.dumps(self._asdict(), separators=(",", ":"))
@@ -109,7 +113,7 @@ class Beat(NamedTuple):
     def from_json(cls, text: str) -> Optional["Beat"]:
         try:
             data = json.loads(text)
-            return cls(**{name: data[name] for name in cls._fields})
+            return cls(**{name: data[name] for name in cls._fields if name in data})
         except (ValueError, TypeError, KeyError):
             return None
 
@@ -206,13 +210,15 @@ def verdict(
     interval: float,
     seen: bool = True,
     leader: Optional[str] = None,
+    hold: float = 0.0,
 ) -> Verdict:
     """The verdict from every worker's last beat (``heard``, by task, this worker's
     included), judged alike on every worker. ``interval``: seconds between samples; a
     worker not heard for more than two of them has stopped answering. ``seen``: whether
     the coordination service answered this worker's latest look; ``leader``: the worker
     that serves it, once it has answered (a service that answered and then stopped is its
-    leader gone: killed, frozen, its host lost)."""
+    leader gone: killed, frozen, its host lost). ``hold``: how long a worker must have been
+    away to hold the others back (one that left its step a moment ago is between steps)."""
     late = 2 * interval + 1.0
     if not seen and leader is not None and leader != me:
         one = heard.get(leader, Heard(None, None))
@@ -230,8 +236,8 @@ def verdict(
             return Verdict(GONE, task, _name(one, task))
     beats = {task: one.beat for task, one in heard.items() if one.beat is not None}
     waiting = [task for task, beat in beats.items() if beat.where in (STEP, PY_FUNCTION)]
-    away = [task for task, beat in beats.items() if beat.where in AWAY]
-    python = [task for task, beat in beats.items() if beat.where == PY_FUNCTION]
+    away = [task for task, b in beats.items() if b.where in AWAY and b.seconds >= hold]
+    python = [task for task, b in beats.items() if b.where == PY_FUNCTION and b.seconds >= hold]
     stepping = [task for task, beat in beats.items() if beat.where == STEP]
     if not stepping:  # all in a py_function: the step every worker is inside is stuck
         python = []
@@ -328,17 +334,19 @@ class _Bounded:
 class Board:
     """This worker's side of the key-value store: publish its beat, read every worker's.
     ``kv``: TensorFlow's ``set_config_key_value``, ``get_config_key_value(key,
-    timeout_in_ms)`` and ``delete_config_key_value`` (or stand-ins in tests)."""
+    timeout_in_ms)``, ``delete_config_key_value`` and, where there is one,
+    ``check_collective_ops_peer_health(task, timeout_in_ms)`` (or stand-ins in tests)."""
 
     def __init__(
         self,
-        kv: Tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]],
+        kv: Sequence[Optional[Callable[..., Any]]],
         cluster: Sequence[str],
         tasks: Sequence[str],
         me: str,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.put, self.get, self.delete = kv
+        self.put, self.get, self.delete = kv[:3]
+        self.probe = kv[3] if len(kv) > 3 else None  # check_collective_ops_peer_health
         self.prefix = f"{PREFIX}/{cluster_id(cluster)}"
         self.tasks, self.me, self.clock = list(tasks), me, clock
         self.host = socket.gethostname()
@@ -350,9 +358,13 @@ class Board:
     def _key(self, task: str) -> str:
         return f"{self.prefix}/{task}"
 
-    def publish(self, sample: int, where: str, seconds: float, at: str) -> Beat:
-        """Say where this worker is (a key can only be inserted once: delete, then set)."""
-        beat = Beat(self.me, self.host, sample, where, round(seconds, 1), at)
+    def publish(
+        self, sample: int, where: str, seconds: float, at: str, said: Optional[Verdict] = None
+    ) -> Beat:
+        """Say where this worker is (a key can only be inserted once: delete, then set), and
+        with ``said`` the verdict it drew on its own stall."""
+        line, kind = (said.line, said.kind) if said is not None else ("", "")
+        beat = Beat(self.me, self.host, sample, where, round(seconds, 1), at, line, kind)
         key = self._key(self.me)
         with contextlib.suppress(Exception):
             self.call(self.delete, key)
@@ -393,7 +405,30 @@ class Board:
             found[task] = Heard(known[0], now - known[1]) if known else Heard(None, None)
         return found
 
-    def verdict(self, interval: float) -> Verdict:
+    def told(self) -> Optional[Verdict]:
+        """The verdict a peer drew on its own stall and said in its last beat, if any."""
+        for task in self.tasks:
+            known = self.last.get(task)
+            if task != self.me and known is not None and known[0].said:
+                beat = known[0]
+                named = re.match(r"(\w+:\d+) ", beat.said)
+                return Verdict(beat.kind, named.group(1) if named else None, beat.said)
+        return None
+
+    def down(self) -> List[str]:
+        """The peers TensorFlow's own health probe finds down now (bounded, each)."""
+        if self.probe is None:
+            return []
+        found = []
+        for task in self.tasks:
+            if task != self.me:
+                job, index = task.split(":")
+                ok, _ = self.call(self.probe, f"/job:{job}/replica:0/task:{index}", ABSENT_MS * 5)
+                if not ok:
+                    found.append(task)
+        return found
+
+    def verdict(self, interval: float, hold: float = 0.0) -> Verdict:
         """:func:`verdict` from what this board heard (the leader: the cluster's first)."""
         leader = self.tasks[0] if self.answered and self.tasks else None
-        return verdict(self.me, self.heard(), interval, self.seen, leader)
+        return verdict(self.me, self.heard(), interval, self.seen, leader, hold)

@@ -323,8 +323,9 @@ def xla_auto_jit(tf: Any, flag: bool) -> bool:
         return False
 
 
-#: TensorFlow's coordination-service key-value calls: set, get (with a timeout), delete.
-KeyValues = Tuple[Any, Any, Any]
+#: TensorFlow's coordination-service key-value calls: set, get (with a timeout), delete;
+#: and its peers' health probe (None where it has none).
+KeyValues = Tuple[Any, Any, Any, Any]
 
 
 def coordination_kv(tf: Any) -> Tuple[Optional[KeyValues], str]:
@@ -349,4 +350,5 @@ def coordination_kv(tf: Any) -> Tuple[Optional[KeyValues], str]:
             f"TF {tf.__version__}'s coordination service cannot be read with a bound "
             "(its get_config_key_value has no timeout)"
         )
-    return (ctx.set_config_key_value, get, ctx.delete_config_key_value), ""
+    health = getattr(ctx, "check_collective_ops_peer_health", None)
+    return (ctx.set_config_key_value, get, ctx.delete_config_key_value, health), ""

@@ -554,6 +554,13 @@ class _Here:
     said = False
 
 
+def _hold(timeout: float) -> float:
+    """How long a worker must have been away to hold its peers back through a stall of
+    ``timeout``: the timeout, less two samples' slack (they started waiting at about the
+    moment it left)."""
+    return max(0.0, timeout - 2 * interval(timeout))
+
+
 def _publish(
     board: _peers.Board,
     sample: int,
@@ -580,7 +587,7 @@ def _publish(
     # a peer fires within a sample of its call reaching the timeout
     if waiting and all(b.seconds >= settings.timeout - interval(settings.timeout) for b in waiting):
         _Here.said = True
-        verdict = board.verdict(interval(settings.timeout))
+        verdict = board.verdict(interval(settings.timeout), _hold(settings.timeout))
         logger.error(
             "%s.\nworkers:\n%s\nNothing is recorded: another communication would wait for "
             "this worker the same way.",
@@ -628,7 +635,7 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
         culprit = culprit._replace(place=None)
     board, peers = _board, None
     if board is not None and culprit is not None and culprit.report.task is not None:
-        verdict = board.verdict(interval(settings.timeout))
+        verdict = board.verdict(interval(settings.timeout), _hold(settings.timeout))
         peers = verdict, _peers.table(board.me, board.heard())
         if verdict.kind in (_peers.HELD, _peers.GONE):  # not the communication's doing
             culprit = culprit._replace(place=None)
@@ -647,6 +654,10 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
         outside,
         peers,
     )
+    if peers is not None and board is not None:  # the last beat says it, for the peers
+        with contextlib.suppress(Exception):
+            here = _Here.where or _peers.STEP
+            board.publish(-1, here, time.monotonic() - _Here.since, "", peers[0])
     cause = peers[0].line if peers is not None and peers[0].kind == _peers.STUCK else ""
     _stalled(text, culprit, event.seconds, cause)
     recorded = culprit is not None and culprit.place is not None
@@ -778,17 +789,30 @@ def lost_peer_message(board: _peers.Board, error: str) -> Optional[str]:
         return None
     settings = _settings
     board.look()
-    task = _peers.gone_in(error, board.me)
-    if task is None:
-        verdict = board.verdict(interval(settings.timeout) if settings and settings.timeout else 5)
-        task = verdict.task if verdict.kind == _peers.GONE else None
+    verdict = board.verdict(interval(settings.timeout) if settings and settings.timeout else 5)
+    quoted = next(line.strip() for line in error.splitlines() if line.strip())[:200]
+    table = _peers.table(board.me, board.heard())
+    told = board.told()
+    if told is not None and told.kind in (_peers.HELD, _peers.STUCK):
+        # a peer fired on its own stall and ended, and TF aborted the rest: its verdict
+        said = {"where": STEP, "outside": False, "recorded": False, "verdict": told.kind}
+        if told.kind == _peers.HELD:
+            _rundir.stalled({**said, "culprit": told.task, "line": told.line})
+        return (
+            f"training stopped: {told.line}; the workers that waited ended on that stall, "
+            f"and TensorFlow aborted the collectives ({quoted}).\nworkers:\n{table}\n"
+            "Nothing is recorded on this worker."
+        )
+    named, down = _peers.gone_in(error, board.me), board.down()
+    task = named if named in down or not down else down[0]
+    if task is None and verdict.kind == _peers.GONE:
+        task = verdict.task
     heard = board.heard().get(task) if task is not None else None
     ago = f" {heard.ago:.0f} s ago" if heard is not None and heard.ago is not None else ""
-    quoted = next(line.strip() for line in error.splitlines() if line.strip())[:200]
     who = f"{task} stopped answering{ago}" if task else "a worker stopped answering"
     return (
         f"training stopped: {who}: TensorFlow aborted the collectives ({quoted}).\n"
-        f"workers:\n{_peers.table(board.me, board.heard())}\n"
+        f"workers:\n{table}\n"
         "Nothing is recorded: a peer gone is no communication's fault (`python -m "
         "safestrategy run` relaunches the training without a record)."
     )

@@ -172,9 +172,10 @@ def judge(
         why = f"training went silent on {backend} (recorded); {then}"
         return Verdict(True, EXIT_STALL, f"silent on {backend}", why, record)
     peers = next((s for s in launch.stalls if s.get("verdict") in ("held", "gone")), None)
-    if ended.returncode == EXIT_STALL and peers is not None:  # another worker is the cause
+    held = peers is not None and peers.get("verdict") == "held"
+    if peers is not None and (ended.returncode == EXIT_STALL or held):  # a worker's cause
         line = str(peers.get("line"))
-        if peers.get("verdict") == "gone":
+        if not held:
             return Verdict(True, code, "peer gone", f"{line}: a peer is gone; nothing recorded")
         why = f"{line}: nothing recorded on any worker, and a relaunch would wait for it "
         why += "the same way"

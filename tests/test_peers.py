@@ -322,3 +322,28 @@ def test_an_abort_for_a_peer_gone_names_the_worker_tensorflow_names(error, task)
     else:
         assert text.startswith(f"training stopped: {task} stopped answering")
         assert "workers:" in text and "Nothing is recorded" in text
+
+
+def test_an_abort_after_a_peer_ended_on_its_stall_takes_that_peers_verdict():
+    """The leader's input blocks; worker:1 fires, says its verdict in its last beat and
+    ends; TF aborts worker:2's collectives naming worker:1. worker:2 says what worker:1
+    found; without such a beat it names the one TF names (none of the peers' health probes
+    here)."""
+    from safestrategy import _watchdog
+
+    store = Store()
+    boards = [_peers.Board(store.kv(), ["a", "b", "c"], TASKS, task) for task in TASKS]
+    for board, where in zip(boards, (_peers.INPUT, _peers.STEP, _peers.STEP)):
+        board.publish(1, where, 5.0, "train.py:40")
+    error = (
+        "UnavailableError: Collective ops is aborted by: Socket closed\nAdditional GRPC error "
+        "information from remote target /job:worker/replica:0/task:1 while calling RecvBuf"
+    )
+    boards[2].look()
+    assert _watchdog.lost_peer_message(boards[2], error).startswith(
+        "training stopped: worker:1 stopped answering"
+    )
+    line = "worker:0 holds the others back: waiting for input data for 5 s (train.py:40)"
+    boards[1].publish(2, _peers.STEP, 5.0, "", _peers.Verdict(HELD, "worker:0", line))
+    text = _watchdog.lost_peer_message(boards[2], error)
+    assert text.startswith(f"training stopped: {line}; the workers that waited ended")

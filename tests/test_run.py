@@ -179,6 +179,11 @@ def test_a_multiworker_stall_follows_the_verdict_every_worker_drew():
     verdict = run.judge(run.Ended(75, 700.0), launch([worker], stalled=[held]), a_record)
     assert (verdict.relaunch, verdict.record, verdict.ended) == (False, None, "held back by a peer")
     assert verdict.why.startswith(line + ": nothing recorded on any worker")
+    aborted = "UnavailableError: Collective ops is aborted by: Socket closed"  # TF ended it
+    verdict = run.judge(
+        run.Ended(1, 700.0), launch([worker], "3 inside", aborted, "", [held]), a_record
+    )
+    assert (verdict.relaunch, verdict.ended) == (False, "held back by a peer")
     gone = {**held, "verdict": "gone", "line": "worker:1 stopped answering 40 s ago"}
     verdict = run.judge(run.Ended(75, 700.0), launch([worker], stalled=[gone]), a_record)
     assert (verdict.relaunch, verdict.record) == (True, None)
@@ -359,10 +364,13 @@ def test_an_nccl_error_is_a_crash_record_and_the_relaunch_takes_another_backend(
 
 @needs_tf
 def test_an_abort_in_the_first_step_before_any_heartbeat_is_a_crash(tf2, tmp_path):
-    done = supervised("first-step", tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # one launch only: that it is judged a crash is the point (the relaunch is tested above)
+    done = supervised("first-step", tmp_path, "--max-restarts", "0")
+    assert done.returncode == 134, done.stderr[-3000:]
     assert "training crashed on hierarchical_copy (killed by SIGABRT) (recorded)" in done.stderr
-    assert backends(done) == ["reduce_to_cpu"]  # launch 1 died in its first step
+    assert "the 0 restarts are spent" in done.stderr and backends(done) == []
+    records = stalls.every(str(tmp_path / "cache"))
+    assert [(s.backend, s.kind) for _, _, s in records] == [("hierarchical_copy", "crash")]
 
 
 @needs_tf
