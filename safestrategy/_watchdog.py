@@ -789,10 +789,13 @@ def lost_peer_message(board: _peers.Board, error: str) -> Optional[str]:
         return None
     settings = _settings
     board.look()
-    verdict = board.verdict(interval(settings.timeout) if settings and settings.timeout else 5)
+    timeout = settings.timeout if settings is not None and settings.timeout else 25.0
+    verdict = board.verdict(interval(timeout), _hold(timeout))
     quoted = next(line.strip() for line in error.splitlines() if line.strip())[:200]
     table = _peers.table(board.me, board.heard())
     told = board.told()
+    if told is None and verdict.kind == _peers.HELD:  # its last beats said so already
+        told = verdict
     if told is not None and told.kind in (_peers.HELD, _peers.STUCK):
         # a peer fired on its own stall and ended, and TF aborted the rest: its verdict
         said = {"where": STEP, "outside": False, "recorded": False, "verdict": told.kind}

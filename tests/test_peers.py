@@ -324,13 +324,14 @@ def test_an_abort_for_a_peer_gone_names_the_worker_tensorflow_names(error, task)
         assert "workers:" in text and "Nothing is recorded" in text
 
 
-def test_an_abort_after_a_peer_ended_on_its_stall_takes_that_peers_verdict():
+def test_an_abort_after_a_peer_ended_on_its_stall_takes_that_peers_verdict(monkeypatch):
     """The leader's input blocks; worker:1 fires, says its verdict in its last beat and
     ends; TF aborts worker:2's collectives naming worker:1. worker:2 says what worker:1
     found; without such a beat it names the one TF names (none of the peers' health probes
     here)."""
-    from safestrategy import _watchdog
+    from safestrategy import _env, _watchdog
 
+    monkeypatch.setattr(_watchdog, "_settings", _env.StallSettings(5.0, "exit"))
     store = Store()
     boards = [_peers.Board(store.kv(), ["a", "b", "c"], TASKS, task) for task in TASKS]
     for board, where in zip(boards, (_peers.INPUT, _peers.STEP, _peers.STEP)):
@@ -339,6 +340,11 @@ def test_an_abort_after_a_peer_ended_on_its_stall_takes_that_peers_verdict():
         "UnavailableError: Collective ops is aborted by: Socket closed\nAdditional GRPC error "
         "information from remote target /job:worker/replica:0/task:1 while calling RecvBuf"
     )
+    boards[2].look()
+    # worker:0 had been away for 5 s: its beats say it held the others
+    held = "training stopped: worker:0 holds the others back: waiting for input data for 5 s"
+    assert _watchdog.lost_peer_message(boards[2], error).startswith(held)
+    boards[0].publish(2, _peers.INPUT, 0.5, "train.py:40")  # a moment away: between steps
     boards[2].look()
     assert _watchdog.lost_peer_message(boards[2], error).startswith(
         "training stopped: worker:1 stopped answering"
