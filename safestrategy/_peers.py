@@ -244,10 +244,11 @@ def verdict(
     if waiting and not away and not (python and stepping):
         return Verdict(STUCK, None, "every worker is inside the same step: the communication "
                        "(or a device) is stuck")  # fmt: skip
-    task = (away or python or [me])[0]
-    beat = beats.get(task)
-    if beat is None:
-        return Verdict(HELD, task, f"{task} is outside the all-reduce")
+    culprits = away or (python if stepping else [])
+    if not culprits:  # no one in the all-reduce, and no one away for long: between steps
+        return Verdict(UNSEEN, None, "the workers' beats do not show what holds them")
+    task = culprits[0]
+    beat = beats[task]
     at = f" ({beat.at})" if beat.at else ""
     what = f"{WHERE[beat.where]} for {beat.seconds:.0f} s{at}"
     if not waiting:

@@ -52,6 +52,15 @@ def test_a_worker_away_from_the_allreduce_holds_the_others_back(where):
     assert _peers.verdict("worker:1", heard(_peers.STEP, where, _peers.STEP), 5.0) == verdict
 
 
+def test_workers_between_steps_hold_no_one_back():
+    moving = heard(_peers.INPUT, _peers.OUTSIDE)
+    verdict = _peers.verdict("worker:0", moving, 5.0, hold=3.0)  # away 600 s: both hold
+    assert (verdict.kind, verdict.task) == (HELD, "worker:0")
+    assert verdict.line.startswith("no worker is in the all-reduce: worker:0 is waiting")
+    brief = {t: Heard(h.beat._replace(seconds=0.0), h.ago) for t, h in moving.items()}
+    assert _peers.verdict("worker:0", brief, 5.0, hold=3.0).kind == UNSEEN  # a moment each
+
+
 def test_a_py_function_that_the_others_wait_for_holds_them_back():
     verdict = _peers.verdict("worker:0", heard(_peers.STEP, _peers.PY_FUNCTION), 5.0)
     assert (verdict.kind, verdict.task) == (HELD, "worker:1")
