@@ -787,6 +787,7 @@ def lost_peer_message(board: _peers.Board, error: str) -> Optional[str]:
     one): the worker TensorFlow names, else the one the peers' beats say went quiet."""
     if not any(word in error for word in _peers.PEER_GONE):
         return None
+    down = board.down()  # first: the peers this abort ends are still alive a moment more
     settings = _settings
     board.look()
     timeout = settings.timeout if settings is not None and settings.timeout else 25.0
@@ -806,7 +807,7 @@ def lost_peer_message(board: _peers.Board, error: str) -> Optional[str]:
             f"and TensorFlow aborted the collectives ({quoted}).\nworkers:\n{table}\n"
             "Nothing is recorded on this worker."
         )
-    named, down = _peers.gone_in(error, board.me), board.down()
+    named = _peers.gone_in(error, board.me)
     task = named if named in down or not down else down[0]
     if task is None and verdict.kind == _peers.GONE:
         task = verdict.task
