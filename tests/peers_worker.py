@@ -20,7 +20,6 @@ tests and ``benchmarks/peers_trials.py``).
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,27 +27,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tf_configs(count):
-    """``count`` workers' TF_CONFIG values on 127.0.0.1, on ports free now."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for one in sockets:
-            one.bind(("127.0.0.1", 0))
-        workers = [f"127.0.0.1:{one.getsockname()[1]}" for one in sockets]
-    finally:
-        for one in sockets:
-            one.close()
-    return [
-        json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
-        for i in range(count)
-    ]
-
-
 @contextlib.contextmanager
 def cluster(where, scenario, culprit, count, stall, wait, fail):
     """``count`` workers of ``scenario`` started in ``where`` (each writes ``out-<i>`` and
     ``err-<i>``, and has its own cache ``c<i>``), all READY within ``wait`` s (else
     ``fail(why)``); yields (processes, [(out, err)]); every one is killed at the end."""
+    from tests.conftest import tf_configs  # the test process's; the workers never import it
+
     base = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     base.update(PEERS_STALL_TIMEOUT=str(stall), SAFESTRATEGY_STALL_ACTION="exit")
     processes, outputs = [], []
