@@ -663,12 +663,18 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
     recorded = culprit is not None and culprit.place is not None
     if recorded:
         _written[event.thread] = culprit
-    said = {"where": event.watched.kind, "outside": outside, "recorded": recorded}
-    if peers is not None:
-        said.update(verdict=peers[0].kind, culprit=peers[0].task, line=peers[0].line)
-    _rundir.stalled(said)
+    _tell_run(event.watched.kind, outside, recorded, peers[0] if peers is not None else None)
     if settings.action == "exit":
         _exit()
+
+
+def _tell_run(where: str, outside: bool, recorded: bool, verdict: Optional[_peers.Verdict]) -> None:
+    """The run directory's ``stall-<pid>.json``: where the stall was, whether it was
+    recorded, and the workers' verdict (``run`` judges the launch by it)."""
+    said: Dict[str, Any] = {"where": where, "outside": outside, "recorded": recorded}
+    if verdict is not None:
+        said.update(verdict=verdict.kind, culprit=verdict.task, line=verdict.line)
+    _rundir.stalled(said)
 
 
 def _flush_logs() -> None:
@@ -799,9 +805,8 @@ def lost_peer_message(board: _peers.Board, error: str) -> Optional[str]:
         told = verdict
     if told is not None and told.kind in (_peers.HELD, _peers.STUCK):
         # a peer fired on its own stall and ended, and TF aborted the rest: its verdict
-        said = {"where": STEP, "outside": False, "recorded": False, "verdict": told.kind}
         if told.kind == _peers.HELD:
-            _rundir.stalled({**said, "culprit": told.task, "line": told.line})
+            _tell_run(STEP, False, False, told)
         return (
             f"training stopped: {told.line}; the workers that waited ended on that stall, "
             f"and TensorFlow aborted the collectives ({quoted}).\nworkers:\n{table}\n"
