@@ -355,6 +355,7 @@ class Board:
         self.last: Dict[str, Tuple[Beat, float]] = {}  # task -> (beat, when its counter changed)
         self.seen = True  #: whether the service answered the latest look
         self.answered = False  #: whether it ever answered
+        self.said: Optional[Verdict] = None  #: the verdict this worker said (it ends on it)
 
     def _key(self, task: str) -> str:
         return f"{self.prefix}/{task}"
@@ -363,7 +364,9 @@ class Board:
         self, sample: int, where: str, seconds: float, at: str, said: Optional[Verdict] = None
     ) -> Beat:
         """Say where this worker is (a key can only be inserted once: delete, then set), and
-        with ``said`` the verdict it drew on its own stall."""
+        with ``said`` the verdict it drew as it ends; every later beat says it again (the
+        watchdog goes on sampling while the worker ends)."""
+        self.said = said = said or self.said
         line, kind = (said.line, said.kind) if said is not None else ("", "")
         beat = Beat(self.me, self.host, sample, where, round(seconds, 1), at, line, kind)
         key = self._key(self.me)
@@ -407,7 +410,8 @@ class Board:
         return found
 
     def told(self) -> Optional[Verdict]:
-        """The verdict a peer drew on its own stall and said in its last beat, if any."""
+        """The verdict a peer drew as it ended (its own stall, or an abort that it saw
+        first) and said in its last beat, if any."""
         for task in self.tasks:
             known = self.last.get(task)
             if task != self.me and known is not None and known[0].said:
@@ -428,6 +432,33 @@ class Board:
                 if not ok:
                     found.append(task)
         return found
+
+    def read_by_peers(self, bound: float, ended: Sequence[str] = ()) -> bool:
+        """Wait, at most ``bound`` s, until every peer but ``ended`` has published twice
+        since this worker's last beat: each then looked at least once after it (a peer
+        publishes, then looks, at every sample). A worker about to end calls this so that
+        the peers its exit ends next (the leader's ends every one: it serves the store)
+        have read its verdict. False when some did not (or the service is gone)."""
+        self.look()
+        since = {
+            task: known[0].sample
+            for task, known in self.last.items()
+            if task != self.me and task not in ended and not known[0].said
+        }
+        deadline = time.monotonic() + bound  # a real wait, whatever clock tells "ago"
+        while self.seen:
+            behind = [
+                task
+                for task, sample in since.items()
+                if self.last[task][0].sample < sample + 2 and not self.last[task][0].said
+            ]
+            if not behind:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+            self.look()
+        return False
 
     def verdict(self, interval: float, hold: float = 0.0) -> Verdict:
         """:func:`verdict` from what this board heard (the leader: the cluster's first)."""

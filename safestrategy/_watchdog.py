@@ -655,9 +655,7 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
         peers,
     )
     if peers is not None and board is not None:  # the last beat says it, for the peers
-        with contextlib.suppress(Exception):
-            here = _Here.where or _peers.STEP
-            board.publish(-1, here, time.monotonic() - _Here.since, "", peers[0])
+        _last_word(board, peers[0], settings.timeout, wait=settings.action == "exit")
     cause = peers[0].line if peers is not None and peers[0].kind == _peers.STUCK else ""
     _stalled(text, culprit, event.seconds, cause)
     recorded = culprit is not None and culprit.place is not None
@@ -666,6 +664,18 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
     _tell_run(event.watched.kind, outside, recorded, peers[0] if peers is not None else None)
     if settings.action == "exit":
         _exit()
+
+
+def _last_word(board: _peers.Board, verdict: _peers.Verdict, timeout: float, wait: bool) -> None:
+    """Say ``verdict`` in this worker's last beat; with ``wait`` (it is about to end), give
+    every peer still answering up to two samples to read it: the worker this exit ends
+    next (every one, when this is the leader) then names the same culprit, not this one."""
+    with contextlib.suppress(Exception):  # the peers are an explanation, never a hold-up
+        here = _Here.where or _peers.STEP
+        board.publish(-1, here, time.monotonic() - _Here.since, "", verdict)
+        if wait:
+            ended = [verdict.task] if verdict.kind == _peers.GONE and verdict.task else []
+            board.read_by_peers(2 * interval(timeout) + _peers.BOUND, ended)
 
 
 def _tell_run(where: str, outside: bool, recorded: bool, verdict: Optional[_peers.Verdict]) -> None:
@@ -777,10 +787,11 @@ def report_lost_peers() -> None:
         board = _board
         if board is not None:
             try:
-                text = lost_peer_message(board, f"{kind.__name__}: {error}")
-                if text is not None:
-                    logger.error(text)
+                lost = lost_peer(board, f"{kind.__name__}: {error}")
+                if lost is not None:
+                    logger.error(lost.text)
                     _flush_logs()
+                    _last_word(board, lost.verdict, _timeout(), wait=True)
             except Exception:  # reporting must never hide the error itself
                 logger.debug("reporting a lost peer failed", exc_info=True)
         before(kind, error, trace)
@@ -788,15 +799,28 @@ def report_lost_peers() -> None:
     sys.excepthook = hook
 
 
-def lost_peer_message(board: _peers.Board, error: str) -> Optional[str]:
-    """The ERROR for an abort of the collectives because a peer is gone (None: it is not
-    one): the worker TensorFlow names, else the one the peers' beats say went quiet."""
+class Lost(NamedTuple):
+    """An abort for a peer gone: the ERROR to log, and the verdict it draws."""
+
+    text: str
+    verdict: _peers.Verdict
+
+
+def _timeout() -> float:
+    settings = _settings
+    return settings.timeout if settings is not None and settings.timeout else 25.0
+
+
+def lost_peer(board: _peers.Board, error: str) -> Optional[Lost]:
+    """What an abort of the collectives because a peer is gone says (None: it is not
+    one): the verdict a peer said as it ended first (a stall of its own, or this same
+    abort, met while the one that is gone was the only one down), else the worker
+    TensorFlow names, else the one the peers' beats say went quiet."""
     if not any(word in error for word in _peers.PEER_GONE):
         return None
     down = board.down()  # first: the peers this abort ends are still alive a moment more
-    settings = _settings
     board.look()
-    timeout = settings.timeout if settings is not None and settings.timeout else 25.0
+    timeout = _timeout()
     verdict = board.verdict(interval(timeout), _hold(timeout))
     quoted = next(line.strip() for line in error.splitlines() if line.strip())[:200]
     table = _peers.table(board.me, board.heard())
@@ -807,21 +831,26 @@ def lost_peer_message(board: _peers.Board, error: str) -> Optional[str]:
         # a peer fired on its own stall and ended, and TF aborted the rest: its verdict
         if told.kind == _peers.HELD:
             _tell_run(STEP, False, False, told)
-        return (
+        text = (
             f"training stopped: {told.line}; the workers that waited ended on that stall, "
             f"and TensorFlow aborted the collectives ({quoted}).\nworkers:\n{table}\n"
             "Nothing is recorded on this worker."
         )
-    named = _peers.gone_in(error, board.me)
-    task = named if named in down or not down else down[0]
-    if task is None and verdict.kind == _peers.GONE:
-        task = verdict.task
+        return Lost(text, told)
+    if told is not None and told.kind == _peers.GONE and told.task not in (None, board.me):
+        task: Optional[str] = told.task  # the abort that ended it ends this one now
+    else:
+        named = _peers.gone_in(error, board.me)
+        task = named if named in down or not down else down[0]
+        if task is None and verdict.kind == _peers.GONE:
+            task = verdict.task
     heard = board.heard().get(task) if task is not None else None
     ago = f" {heard.ago:.0f} s ago" if heard is not None and heard.ago is not None else ""
     who = f"{task} stopped answering{ago}" if task else "a worker stopped answering"
-    return (
+    text = (
         f"training stopped: {who}: TensorFlow aborted the collectives ({quoted}).\n"
         f"workers:\n{table}\n"
         "Nothing is recorded: a peer gone is no communication's fault (`python -m "
         "safestrategy run` relaunches the training without a record)."
     )
+    return Lost(text, _peers.Verdict(_peers.GONE, task, who))

@@ -325,10 +325,11 @@ def test_an_abort_for_a_peer_gone_names_the_worker_tensorflow_names(error, task)
 
     store = Store()
     board = _peers.Board(store.kv(), ["a", "b", "c"], TASKS, "worker:2")
-    text = _watchdog.lost_peer_message(board, error)
+    lost = _watchdog.lost_peer(board, error)
     if task is None:
-        assert text is None
+        assert lost is None
     else:
+        text = lost.text
         assert text.startswith(f"training stopped: {task} stopped answering")
         assert "workers:" in text and "Nothing is recorded" in text
 
@@ -352,13 +353,71 @@ def test_an_abort_after_a_peer_ended_on_its_stall_takes_that_peers_verdict(monke
     boards[2].look()
     # worker:0 had been away for 5 s: its beats say it held the others
     held = "training stopped: worker:0 holds the others back: waiting for input data for 5 s"
-    assert _watchdog.lost_peer_message(boards[2], error).startswith(held)
+    assert _watchdog.lost_peer(boards[2], error).text.startswith(held)
     boards[0].publish(2, _peers.INPUT, 0.5, "train.py:40")  # a moment away: between steps
     boards[2].look()
-    assert _watchdog.lost_peer_message(boards[2], error).startswith(
+    assert _watchdog.lost_peer(boards[2], error).text.startswith(
         "training stopped: worker:1 stopped answering"
     )
     line = "worker:0 holds the others back: waiting for input data for 5 s (train.py:40)"
     boards[1].publish(2, _peers.STEP, 5.0, "", _peers.Verdict(HELD, "worker:0", line))
-    text = _watchdog.lost_peer_message(boards[2], error)
+    text = _watchdog.lost_peer(boards[2], error).text
     assert text.startswith(f"training stopped: {line}; the workers that waited ended")
+
+
+def test_the_worker_an_abort_ends_first_names_the_killed_one_for_those_it_ends_next(
+    monkeypatch,
+):
+    """3 workers, worker:2 killed: the leader's abort names worker:2, and its exit then
+    ends worker:1 with "the leader is unreachable". The leader's last beat says worker:2,
+    and it keeps the store up until worker:1 has read it (two samples), not longer; so
+    worker:1 names worker:2, not the leader its own abort names."""
+    from safestrategy import _env, _watchdog
+
+    monkeypatch.setattr(_watchdog, "_settings", _env.StallSettings(5.0, "exit"))
+    store = Store()
+    leader, one, _ = [_peers.Board(store.kv(), ["a", "b", "c"], TASKS, t) for t in TASKS]
+    for sample, board in enumerate((leader, one), 1):
+        board.publish(sample, _peers.STEP, 2.0, "train.py:9")
+    killed = (
+        "UnavailableError: Collective ops is aborted by: Socket closed\nAdditional GRPC error "
+        "information from remote target /job:worker/replica:0/task:2 while calling RecvBuf"
+    )
+    lost = _watchdog.lost_peer(leader, killed)
+    assert lost.verdict == _peers.Verdict(GONE, "worker:2", "worker:2 stopped answering")
+    leader.publish(-1, _peers.STEP, 2.0, "", lost.verdict)
+
+    def sampling():  # worker:1's watchdog: publish, then look, a sample every 0.3 s
+        for sample in range(3, 7):
+            time.sleep(0.3)
+            one.publish(sample, _peers.STEP, 2.0, "train.py:9")
+            one.look()
+
+    started, peer = time.monotonic(), threading.Thread(target=sampling)
+    peer.start()
+    assert leader.read_by_peers(5.0, ["worker:2"])  # worker:2 ended: not waited for
+    assert 0.5 < time.monotonic() - started < 1.5  # two of worker:1's samples
+    peer.join(timeout=5)
+    leader.publish(7, _peers.STEP, 2.0, "")  # the leader's watchdog samples on: it keeps
+    one.look()  # saying its verdict
+    store.frozen.set()  # the leader ends, and with it the store
+    unreachable = (
+        "UnavailableError: Collective ops is aborted by: Failed to send RPC to coordination "
+        "service. Either the leader task was preempted/died\nAdditional GRPC error "
+        "information from remote target /job:worker/replica:0/task:0 while calling "
+        "/tensorflow.CoordinationService/Heartbeat"
+    )
+    assert _peers.gone_in(unreachable, "worker:1") == "worker:0"
+    text = _watchdog.lost_peer(one, unreachable).text
+    assert text.startswith("training stopped: worker:2 stopped answering"), text
+
+
+def test_a_peer_that_never_reads_is_waited_for_no_longer_than_the_bound():
+    store = Store()
+    zero, one = [_peers.Board(store.kv(), ["a", "b"], TASKS[:2], t) for t in TASKS[:2]]
+    one.publish(1, _peers.STEP, 1.0, "")
+    zero.publish(-1, _peers.STEP, 1.0, "", _peers.Verdict(GONE, None, "a worker stopped"))
+    started = time.monotonic()
+    assert not zero.read_by_peers(0.5)  # worker:1 is frozen: it never samples again
+    assert time.monotonic() - started < 1.5
+    assert zero.read_by_peers(0.5, ["worker:1"])  # or it is the one that ended
