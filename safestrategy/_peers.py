@@ -413,12 +413,18 @@ class Board:
         """The verdict a peer drew as it ended (its own stall, or an abort that it saw
         first) and said in its last beat, if any."""
         for task in self.tasks:
-            known = self.last.get(task)
-            if task != self.me and known is not None and known[0].said:
-                beat = known[0]
-                named = re.match(r"(\w+:\d+) ", beat.said)
-                return Verdict(beat.kind, named.group(1) if named else None, beat.said)
+            said = self._said_by(task)
+            if task != self.me and said is not None:
+                return said
         return None
+
+    def _said_by(self, task: str) -> Optional[Verdict]:
+        known = self.last.get(task)
+        if known is None or not known[0].said:
+            return None
+        beat = known[0]
+        named = re.match(r"(\w+:\d+) ", beat.said)
+        return Verdict(beat.kind, named.group(1) if named else None, beat.said)
 
     def down(self) -> List[str]:
         """The peers TensorFlow's own health probe finds down now (bounded, each)."""
@@ -461,6 +467,14 @@ class Board:
         return False
 
     def verdict(self, interval: float, hold: float = 0.0) -> Verdict:
-        """:func:`verdict` from what this board heard (the leader: the cluster's first)."""
+        """:func:`verdict` from what this board heard (the leader: the cluster's first); a
+        worker gone that said, as it ended, that another was gone first passes it on."""
         leader = self.tasks[0] if self.answered and self.tasks else None
-        return verdict(self.me, self.heard(), interval, self.seen, leader, hold)
+        heard = self.heard()
+        found = verdict(self.me, heard, interval, self.seen, leader, hold)
+        said = self._said_by(found.task) if found.kind == GONE and found.task else None
+        if said is not None and said.kind == GONE and said.task in heard and said.task != self.me:
+            # it ended because it saw that one gone first (the leader's exit ends them all)
+            line = f"{_name(heard[said.task], said.task)} ({found.task} saw it first)"
+            return Verdict(GONE, said.task, line)
+        return found

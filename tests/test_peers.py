@@ -421,3 +421,24 @@ def test_a_peer_that_never_reads_is_waited_for_no_longer_than_the_bound():
     assert not zero.read_by_peers(0.5)  # worker:1 is frozen: it never samples again
     assert time.monotonic() - started < 1.5
     assert zero.read_by_peers(0.5, ["worker:1"])  # or it is the one that ended
+
+
+def test_a_stalled_worker_names_the_one_the_gone_leader_said_was_gone_first():
+    """3 workers, worker:2 killed: worker:1's step just hangs (its own ring neighbour is
+    alive), so its watchdog fires after the leader ended on the abort. The leader's last
+    beat said worker:2: worker:1 names worker:2, not the leader it can no longer reach."""
+    store = Store()
+    leader, one, two = [_peers.Board(store.kv(), ["a", "b", "c"], TASKS, t) for t in TASKS]
+    for board in (leader, one, two):
+        board.publish(1, _peers.STEP, 2.0, "train.py:9")
+    one.look()
+    leader.publish(-1, _peers.STEP, 2.0, "", _peers.Verdict(GONE, "worker:2", "worker:2 st"))
+    one.look()
+    now = time.monotonic()
+    one.clock = lambda: now + 12  # more than two samples of 5 s later
+    store.frozen.set()  # the leader has ended, and with it the store
+    one.look()
+    verdict = one.verdict(5.0)
+    assert verdict == _peers.Verdict(
+        GONE, "worker:2", "worker:2 stopped answering 12 s ago (worker:0 saw it first)"
+    )
