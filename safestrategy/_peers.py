@@ -165,36 +165,44 @@ def _line(frames: Sequence[Any], is_library: Callable[[str], bool]) -> str:
     return ""
 
 
+class Where(NamedTuple):
+    """Where this worker is (one of :data:`WHERE`), at which user line, and the frame
+    that marks the one call it is in: the same object on the next sample is the same call
+    still running (None outside any call)."""
+
+    where: str
+    at: str
+    call: Any = None
+
+
 def whereabouts(
     frames: Mapping[int, Any],
-    in_calls: Mapping[int, str],
+    calls: Mapping[int, Tuple[Any, str]],
     main: Optional[int],
     is_library: Callable[[str], bool],
-) -> Tuple[str, str]:
-    """Where this worker is, and at which user line: ``frames`` every thread's innermost
-    frame, ``in_calls`` the kind of TF call each thread is in (the watchdog's
-    ``step``/``op``/``session``/``input``), ``main`` the main thread. A py_function's or a
+) -> Where:
+    """Where this worker is: ``frames`` every thread's innermost frame, ``calls`` the
+    outermost TF call each thread is in and its kind (the watchdog's sample: ``step``/
+    ``op``/``session``/``input``), ``main`` the main thread. A py_function's or a
     checkpoint's or an input generator's thread speaks first (it is what the step waits
     on), then a step, then input; with no thread in a TF call, the main thread's line."""
-    found: Dict[str, str] = {}
+    found: Dict[str, Tuple[str, Any]] = {}
     for frame in frames.values():
         stack = _stack(frame)
         for candidate in stack:
             sign = _sign(candidate.f_code.co_filename, candidate.f_code.co_name)
             if sign is not None:
-                found.setdefault(sign, _line(stack, is_library))
+                found.setdefault(sign, (_line(stack, is_library), candidate))
                 break
     for sign in (PY_FUNCTION, CHECKPOINT, INPUT):
         if sign in found:
-            return sign, found[sign]
-    kinds = set(in_calls.values())
-    for thread, kind in in_calls.items():
-        if kind != "input" and thread in frames:
-            return STEP, _line(_stack(frames[thread]), is_library)
-    if "input" in kinds:
-        thread = next(t for t, kind in in_calls.items() if kind == "input")
-        return INPUT, _line(_stack(frames.get(thread)), is_library)
-    return OUTSIDE, _line(_stack(frames.get(main)), is_library) if main in frames else ""
+            return Where(sign, *found[sign])
+    for kind in ("step", "input"):  # the other kinds (an op, session.run) are a step
+        for thread, (call, its) in sorted(calls.items(), key=lambda item: item[0]):
+            if (its == "input") == (kind == "input") and thread in frames:
+                where = STEP if kind == "step" else INPUT
+                return Where(where, _line(_stack(frames[thread]), is_library), call)
+    return Where(OUTSIDE, _line(_stack(frames[main]), is_library) if main in frames else "")
 
 
 def _name(heard: Heard, task: str) -> str:

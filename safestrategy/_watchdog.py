@@ -546,10 +546,13 @@ def _run() -> None:
 
 
 class _Here:
-    """Where this worker has been since when (its own clock, time stopped left out), and
-    whether it already said that it holds its peers back."""
+    """Where this worker has been since when (its own clock, time stopped left out): in
+    the same call (a steady training is in a new step at every sample, never in one for
+    long), or outside any call; and whether it already said that it holds its peers
+    back."""
 
     where: Optional[str] = None
+    call: Any = None  #: the frame marking the call (:class:`_peers.Where`)
     since = 0.0
     said = False
 
@@ -571,23 +574,30 @@ def _publish(
     settings: _env.StallSettings,
 ) -> None:
     """Tell the peers where this worker is, hear theirs; a worker away from the all-reduce
-    its peers have waited in for the stall timeout says once that it holds them back."""
-    kinds = {thread: kind for thread, (_, kind) in seen.items()}
-    where, at = _peers.whereabouts(frames, kinds, threading.main_thread().ident, _is_library)
-    if where != _Here.where:
-        _Here.where, _Here.since, _Here.said = where, now, False
-    _Here.since += stopped
+    for as long as its peers have waited in it (the stall timeout, less two samples) says
+    once that it holds them back."""
+    where, at, call = _peers.whereabouts(frames, seen, threading.main_thread().ident, _is_library)
+    if where != _Here.where or call is not _Here.call:
+        _Here.where, _Here.call, _Here.since, _Here.said = where, call, now, False
+    else:
+        _Here.since += stopped
     board.publish(sample, where, now - _Here.since, at)
     board.look()
     if _Here.said or where not in _peers.AWAY or settings.timeout is None:
+        return
+    if now - _Here.since < _hold(settings.timeout):  # between steps, holding no one
         return
     heard = board.heard()
     peers = [one.beat for task, one in heard.items() if task != board.me]
     waiting = [b for b in peers if b is not None and b.where in (_peers.STEP, _peers.PY_FUNCTION)]
     # a peer fires within a sample of its call reaching the timeout
-    if waiting and all(b.seconds >= settings.timeout - interval(settings.timeout) for b in waiting):
+    if not waiting or any(
+        b.seconds < settings.timeout - interval(settings.timeout) for b in waiting
+    ):
+        return
+    verdict = board.verdict(interval(settings.timeout), _hold(settings.timeout))
+    if verdict.kind == _peers.HELD and verdict.task == board.me:
         _Here.said = True
-        verdict = board.verdict(interval(settings.timeout), _hold(settings.timeout))
         logger.error(
             "%s.\nworkers:\n%s\nNothing is recorded: another communication would wait for "
             "this worker the same way.",

@@ -105,15 +105,18 @@ def library(filename):
 
 def test_whereabouts_reads_the_threads_as_the_watchdog_samples_them():
     main = fake_frame("/me/train.py", "<module>", line=88)
-    assert _peers.whereabouts({1: main}, {}, 1, library) == (_peers.OUTSIDE, "train.py:88")
+    assert _peers.whereabouts({1: main}, {}, 1, library) == (_peers.OUTSIDE, "train.py:88", None)
     step = fake_frame(f"{TF}/eager/def_function.py", "__call__", main)
-    assert _peers.whereabouts({1: step}, {1: "step"}, 1, library) == (_peers.STEP, "train.py:88")
-    assert _peers.whereabouts({1: step}, {1: "input"}, 1, library)[0] == _peers.INPUT
-    user = fake_frame("/me/layers.py", "sleepy", fake_frame(f"{TF}/ops/script_ops.py", "__call__"))
+    calls = {1: (step, "step")}
+    assert _peers.whereabouts({1: step}, calls, 1, library) == (_peers.STEP, "train.py:88", step)
+    assert _peers.whereabouts({1: step}, {1: (step, "input")}, 1, library)[0] == _peers.INPUT
+    script = fake_frame(f"{TF}/ops/script_ops.py", "__call__")
+    user = fake_frame("/me/layers.py", "sleepy", script)
     frames = {1: step, 2: user}
-    assert _peers.whereabouts(frames, {1: "step"}, 1, library) == (
+    assert _peers.whereabouts(frames, calls, 1, library) == (
         _peers.PY_FUNCTION,
         "layers.py:1",
+        script,  # the py_function call: one object for as long as it runs
     )
     generator = fake_frame(
         "/me/data.py",
@@ -124,12 +127,54 @@ def test_whereabouts_reads_the_threads_as_the_watchdog_samples_them():
             fake_frame(f"{TF}/ops/script_ops.py", "__call__"),
         ),
     )
-    assert _peers.whereabouts({1: step, 2: generator}, {1: "step"}, 1, library) == (
-        _peers.INPUT,
-        "data.py:1",
-    )
+    where = _peers.whereabouts({1: step, 2: generator}, calls, 1, library)
+    assert where[:2] == (_peers.INPUT, "data.py:1")
     saving = fake_frame(f"{TF}/checkpoint/checkpoint.py", "save", main)
     assert _peers.whereabouts({1: saving}, {}, 1, library)[0] == _peers.CHECKPOINT
+
+
+def test_a_steady_worker_is_in_each_step_only_as_long_as_that_step(monkeypatch, caplog):
+    """Two workers' watchdogs (their own ``_Here`` each) publish a sample a second with a
+    stall timeout of 5 s. Stepping steadily, each sample in a new step, a worker is
+    inside a step for no time, and one sampled in its ``get_next`` between steps says
+    nothing of holding the other back (a healthy run had said it: its steps had added up
+    to 135 s "inside a step"). A step that stays, against a ``get_next`` that stays, for
+    the timeout: the one in ``get_next`` says once that it holds the other back."""
+    from safestrategy import _env, _watchdog
+
+    settings, now = _env.StallSettings(5.0, "exit"), [100.0]
+    store, me = Store(), threading.main_thread().ident
+    boards = [_peers.Board(store.kv(), ["a", "b"], TASKS[:2], t, lambda: now[0]) for t in TASKS[:2]]
+    heres = [type("_Here", (_watchdog._Here,), {}) for _ in boards]
+    main = fake_frame("/me/train.py", "<module>", line=7)
+
+    def sample(number, *calls):  # each worker's call: (frame, kind), or None outside
+        for board, here, call in zip(boards, heres, calls):
+            monkeypatch.setattr(_watchdog, "_Here", here)
+            seen = {me: call} if call else {}
+            frames = {me: call[0] if call else main}
+            _watchdog._publish(board, number, seen, frames, now[0], 0.0, settings)
+        now[0] += 1.0
+
+    def step():
+        return fake_frame(f"{TF}/eager/def_function.py", "__call__", main), "step"
+
+    def get_next():
+        return fake_frame(f"{TF}/data/ops/iterator_ops.py", "get_next", main), "input"
+
+    caplog.set_level("ERROR", logger="safestrategy")
+    for number in range(1, 11):
+        sample(number, step(), step())
+    sample(11, get_next(), step())
+    beat = boards[0].heard()["worker:1"].beat
+    assert (beat.where, beat.seconds) == (_peers.STEP, 0.0)
+    assert caplog.records == []
+    hung, blocked = step(), get_next()
+    for number in range(12, 19):
+        sample(number, blocked, hung)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0].startswith("this worker (worker:0) holds the others back: waiting for input")
 
 
 class Store:
