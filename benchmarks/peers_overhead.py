@@ -9,7 +9,8 @@ with the watchdog publishing and reading the peers' beats on every other round a
 not on the others (the same rounds on both workers: they step together). The stall
 timeout is 25 s, so the watchdog samples every 5 s, as with the default 600 s. Prints
 the median round of each variant and their ratio (worker 0's rounds; medians of
-interleaved rounds, the first pair dropped as warm-up). Not a timed test.
+interleaved rounds, the first pair dropped as warm-up), and every verdict either worker
+logged: a healthy training logs none. Not a timed test.
 """
 
 import argparse
@@ -22,6 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests import peers_worker
+
+#: A verdict's line (or a stall's), which a healthy training never logs.
+VERDICT = re.compile(r"holds the others back|inside the same step|stopped answering|no progress")
 
 
 def fail(why):
@@ -42,6 +46,7 @@ def main():
             for process in processes:
                 process.wait(timeout=3600)
             text = outputs[0][0].read_text()
+            logs = [err.read_text() for _, err in outputs]
     found = re.findall(r"^ROUND (\d+) (on|off) (\S+)$", text, re.MULTILINE)
     times = {"on": [], "off": []}
     for number, variant, seconds in found:
@@ -52,6 +57,10 @@ def main():
     print(f"step with publishing    {on:.3f} ms (median)")
     print(f"step without publishing {off:.3f} ms (median)")
     print(f"ratio {on / off:.4f}x (fastest rounds: {min(times['on']) / min(times['off']):.4f}x)")
+    said = [line for log in logs for line in log.splitlines() if VERDICT.search(line)]
+    print(f"verdicts logged in this healthy training: {len(said)} (must be 0)")
+    for line in said:
+        print(f"  {line}")
 
 
 if __name__ == "__main__":
