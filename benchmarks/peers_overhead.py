@@ -9,8 +9,11 @@ with the watchdog publishing and reading the peers' beats on every other round a
 not on the others (the same rounds on both workers: they step together). The stall
 timeout is 25 s, so the watchdog samples every 5 s, as with the default 600 s. Prints
 the median round of each variant and their ratio (worker 0's rounds; medians of
-interleaved rounds, the first pair dropped as warm-up), and every verdict either worker
-logged: a healthy training logs none. Not a timed test.
+interleaved rounds, the first pair dropped as warm-up), the median of each pair's ratio,
+how long each sample's publishing took on worker 0's watchdog thread (the KV calls run
+on a thread of their own while it waits, so this bounds the CPU publishing takes from
+the steps: the round ratios on 2 noisy cores cannot show 1 %), and every verdict either
+worker logged: a healthy training logs none. Not a timed test.
 """
 
 import argparse
@@ -24,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests import peers_worker
 
+#: Seconds between the watchdog's samples at the 25 s stall timeout (and at the default).
+SAMPLE = 5.0
 #: A verdict's line (or a stall's), which a healthy training never logs.
 VERDICT = re.compile(r"holds the others back|inside the same step|stopped answering|no progress")
 
@@ -53,10 +58,19 @@ def main():
         if int(number) >= 2:  # the first pair warms up
             times[variant].append(float(seconds) / args.steps * 1000)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    pairs = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
     print(f"{len(times['on'])} interleaved pairs of {args.steps} steps, 2 workers")
     print(f"step with publishing    {on:.3f} ms (median)")
     print(f"step without publishing {off:.3f} ms (median)")
     print(f"ratio {on / off:.4f}x (fastest rounds: {min(times['on']) / min(times['off']):.4f}x)")
+    print(f"median ratio of a pair's two rounds {pairs:.4f}x")
+    spent = [float(s) for s in re.search(r"^PUBLISHED(.*)$", text, re.M).group(1).split()]
+    each = statistics.median(spent) * 1000
+    print(
+        f"publishing on worker 0's watchdog thread: {len(spent)} samples, {each:.2f} ms each "
+        f"(median; slowest {max(spent) * 1000:.2f} ms), one per {SAMPLE:g} s: "
+        f"{each / 10 / SAMPLE:.3f} % of the worker's time at most"
+    )
     said = [line for log in logs for line in log.splitlines() if VERDICT.search(line)]
     print(f"verdicts logged in this healthy training: {len(said)} (must be 0)")
     for line in said:

@@ -11,7 +11,8 @@ turns it on and the workers step until one of:
 - ``stop``: nothing here: the test SIGSTOPs worker CULPRIT after ``READY``;
 - ``all``: every worker's step blocks in a ``py_function`` (the same step);
 - ``steady``: ``PEERS_ROUNDS`` rounds of ``PEERS_STEPS`` steps, publishing on every
-  other round (``benchmarks/peers_overhead.py``): prints ``ROUND <n> <on|off> <s>``.
+  other round (``benchmarks/peers_overhead.py``): prints ``ROUND <n> <on|off> <s>``,
+  then ``PUBLISHED`` and how long each sample's publishing took (s).
 
 Prints ``READY <pid>`` once stepping. :func:`cluster` starts the workers (for the
 tests and ``benchmarks/peers_trials.py``).
@@ -102,6 +103,17 @@ def main(scenario, culprit):
     print("READY", os.getpid(), flush=True)
     if scenario == "steady":
         rounds, steps = int(os.environ["PEERS_ROUNDS"]), int(os.environ["PEERS_STEPS"])
+        spent = []  # each sample's publishing, in seconds: its cost where it is paid
+        publish = _watchdog._publish
+
+        def timed(*args):
+            started = time.perf_counter()
+            try:
+                return publish(*args)
+            finally:
+                spent.append(time.perf_counter() - started)
+
+        _watchdog._publish = timed
         for number in range(rounds):
             publishing = number % 2 == 0  # the same rounds on every worker: they step together
             _watchdog._board = board if publishing else None
@@ -110,6 +122,7 @@ def main(scenario, culprit):
                 step(next(data))
             seconds = time.perf_counter() - started
             print("ROUND", number, "on" if publishing else "off", seconds, flush=True)
+        print("PUBLISHED", " ".join(f"{seconds:.6f}" for seconds in spent), flush=True)
         os._exit(0)
     for number in range(100000):
         if scenario == "sleep" and index == culprit and number == 3:
