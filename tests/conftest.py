@@ -11,9 +11,11 @@ import importlib.util
 import json
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -198,10 +200,13 @@ def tf_configs(n, ports=None):
 
 def workers_together(commands, envs, within, what="a worker"):
     """Start every command (``envs``: each one's environment added to this one's, with
-    the repository on PYTHONPATH) and wait for them all, each within ``within`` s:
-    [(returncode, stdout, stderr)] in order. On a timeout every one is killed and the
-    test fails with their stderr's tails (a hung worker's thread stacks among them)."""
-    base = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    the repository on PYTHONPATH, and ``WORKERS_DONE``, a directory they share for
+    ``tests/mw_worker.py``'s ``leave_together``) and wait for them all, each within
+    ``within`` s: [(returncode, stdout, stderr)] in order. On a timeout every one is
+    killed and the test fails with their stderr's tails (a hung worker's thread stacks
+    among them)."""
+    done = tempfile.mkdtemp(prefix="workers-done-")
+    base = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2", WORKERS_DONE=done)
     processes, outputs = [], []
     try:
         for command, env in zip(commands, envs):
@@ -229,6 +234,7 @@ def workers_together(commands, envs, within, what="a worker"):
             if process.poll() is None:
                 process.kill()
             process.wait()
+        shutil.rmtree(done, ignore_errors=True)
     return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs)]
 
 

@@ -10,13 +10,16 @@ In order, as every worker must call the factory in the same order:
    training steps whose weights the test compares across workers and with
    :func:`train` in one process.
 
-Prints one line, ``RESULT {json}``. :func:`train` is imported by the test too.
+Prints one line, ``RESULT {json}``, and exits once every worker has printed its own
+(:func:`leave_together`, which tests/run_mw_worker.py uses too). :func:`train` is
+imported by the test too.
 """
 
 import contextlib
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -60,6 +63,22 @@ def train(tf, strategy=None, index=0, workers=1):
     return [float(v) for v in np.concatenate([w.numpy().ravel(), b.numpy().ravel()])]
 
 
+def leave_together(within=60.0):
+    """Return once every worker in TF_CONFIG has called this (or after ``within`` s). A
+    worker done with its last all-reduce may still be serving its peer's (RING: a peer
+    pulls its last buffer from it); exiting then fails the peer's last step with "Socket
+    closed". ``WORKERS_DONE``: the directory conftest's ``workers_together`` gives the
+    workers of one test."""
+    done = os.environ["WORKERS_DONE"]
+    config = json.loads(os.environ["TF_CONFIG"])
+    open(os.path.join(done, f"done-{config['task']['index']}"), "w").close()
+    deadline = time.monotonic() + within
+    while len(os.listdir(done)) < len(config["cluster"]["worker"]):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+
+
 def main():
     import tensorflow as tf
 
@@ -94,6 +113,7 @@ def main():
     result["weights"] = train(tf, strategy, task["index"], report.workers)
     print("RESULT " + json.dumps(result), flush=True)
     sys.stderr.flush()
+    leave_together()
     os._exit(0)  # skip TensorFlow's slow gRPC teardown: the test only needs the line
 
 

@@ -28,6 +28,7 @@ import tensorflow as tf
 import safestrategy
 from safestrategy import _rundir
 from safestrategy.multiworker import factory as multiworker
+from tests.mw_worker import leave_together
 
 STEPS = 6
 DIES = int(sys.argv[1])
@@ -73,4 +74,5 @@ for number in range(STEPS):
     step(tf.constant(number))
 print("TOTAL", float(total.numpy()), flush=True)
 sys.stderr.flush()
+leave_together()  # neither worker ends while the other may still pull from it
 os._exit(0)  # skip TensorFlow's slow gRPC teardown: the training is done
