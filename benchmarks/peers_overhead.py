@@ -25,10 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from safestrategy import _watchdog
 from tests import peers_worker
 
-#: Seconds between the watchdog's samples at the 25 s stall timeout (and at the default).
-SAMPLE = 5.0
+#: The workers' stall timeout, and the seconds between the watchdog's samples at it (5 s,
+#: as at the default 600 s).
+STALL = 25
+SAMPLE = _watchdog.interval(STALL)
 #: A verdict's line (or a stall's), which a healthy training never logs.
 VERDICT = re.compile(r"holds the others back|inside the same step|stopped answering|no progress")
 
@@ -47,7 +50,7 @@ def main():
     os.environ.update(PEERS_ROUNDS=str(2 * (args.rounds + 1)), PEERS_STEPS=str(args.steps))
     with tempfile.TemporaryDirectory() as where:
         where = Path(where)
-        with peers_worker.cluster(where, "steady", -1, 2, 25, 240, fail) as (processes, outputs):
+        with peers_worker.cluster(where, "steady", -1, 2, STALL, 240, fail) as (processes, outputs):
             for process in processes:
                 process.wait(timeout=3600)
             text = outputs[0][0].read_text()
@@ -69,7 +72,7 @@ def main():
     print(
         f"publishing on worker 0's watchdog thread: {len(spent)} samples, {each:.2f} ms each "
         f"(median; slowest {max(spent) * 1000:.2f} ms), one per {SAMPLE:g} s: "
-        f"{each / 10 / SAMPLE:.3f} % of the worker's time at most"
+        f"{100 * each / (1000 * SAMPLE):.3f} % of the worker's time at most"
     )
     said = [line for log in logs for line in log.splitlines() if VERDICT.search(line)]
     print(f"verdicts logged in this healthy training: {len(said)} (must be 0)")

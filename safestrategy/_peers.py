@@ -197,11 +197,12 @@ def whereabouts(
     for sign in (PY_FUNCTION, CHECKPOINT, INPUT):
         if sign in found:
             return Where(sign, *found[sign])
-    for kind in ("step", "input"):  # the other kinds (an op, session.run) are a step
-        for thread, (call, its) in sorted(calls.items(), key=lambda item: item[0]):
-            if (its == "input") == (kind == "input") and thread in frames:
-                where = STEP if kind == "step" else INPUT
-                return Where(where, _line(_stack(frames[thread]), is_library), call)
+    # a step first (an op and session.run are steps too), then input; the lowest thread
+    in_calls = sorted((kind == "input", thread) for thread, (_, kind) in calls.items())
+    for is_input, thread in in_calls:
+        if thread in frames:
+            line = _line(_stack(frames[thread]), is_library)
+            return Where(INPUT if is_input else STEP, line, calls[thread][0])
     return Where(OUTSIDE, _line(_stack(frames[main]), is_library) if main in frames else "")
 
 

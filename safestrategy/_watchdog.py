@@ -585,8 +585,6 @@ def _publish(
     board.look()
     if _Here.said or where not in _peers.AWAY or settings.timeout is None:
         return
-    if now - _Here.since < _hold(settings.timeout):  # between steps, holding no one
-        return
     heard = board.heard()
     peers = [one.beat for task, one in heard.items() if task != board.me]
     waiting = [b for b in peers if b is not None and b.where in (_peers.STEP, _peers.PY_FUNCTION)]
@@ -595,6 +593,7 @@ def _publish(
         b.seconds < settings.timeout - interval(settings.timeout) for b in waiting
     ):
         return
+    # names this worker only once it has been away for the hold itself (its own beat)
     verdict = board.verdict(interval(settings.timeout), _hold(settings.timeout))
     if verdict.kind == _peers.HELD and verdict.task == board.me:
         _Here.said = True
