@@ -25,13 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from safestrategy import _watchdog
+from safestrategy.training import sampler
 from tests import peers_worker
 
 #: The workers' stall timeout, and the seconds between the watchdog's samples at it (5 s,
 #: as at the default 600 s).
 STALL = 25
-SAMPLE = _watchdog.interval(STALL)
+SAMPLE = sampler.interval(STALL)
 #: A verdict's line (or a stall's), which a healthy training never logs.
 VERDICT = re.compile(r"holds the others back|inside the same step|stopped answering|no progress")
 

@@ -32,7 +32,8 @@ def main() -> None:
     import tensorflow as tf
 
     import safestrategy
-    from safestrategy import _env, _tf, _watchdog
+    from safestrategy import _env, _tf
+    from safestrategy.training import watchdog
 
     _tf.configure_logical_cpus(tf, 2)
     strategy = safestrategy.make_mirrored_strategy(["/cpu:0", "/cpu:1"])
@@ -51,7 +52,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for kind in ("on", "off"):
             timeout = args.timeout if kind == "on" else None
-            _watchdog.watch(_env.StallSettings(timeout, "warn"), report)
+            watchdog.watch(_env.StallSettings(timeout, "warn"), report)
             time.sleep(0.5)  # the watchdog thread starts (on) or ends (off)
             started = time.perf_counter()
             for _ in range(args.steps):

@@ -8,7 +8,7 @@ is valid, before anything touches a device.
 
 import math
 import os
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .backends import BACKEND_NAMES, COMMUNICATION_NAMES
 
@@ -46,6 +46,9 @@ AUTO = "auto"
 DEFAULT_STALL_TIMEOUT = 600.0
 #: What the watchdog does about a stall: log and keep waiting, or log and end the process.
 STALL_ACTIONS: Tuple[str, ...] = ("warn", "exit")
+#: The exit code of ``SAFESTRATEGY_STALL_ACTION=exit`` (``EX_TEMPFAIL``: a hung collective never
+#: returns, so a scheduler's restart is the way out); ``run`` relaunches on it.
+EXIT_STALL = 75
 #: Variables safestrategy itself set in ``os.environ`` (NCCL remedies), with the value it set:
 #: the user's environment is ``os.environ`` without them (see :func:`user_environ`).
 _applied: Dict[str, str] = {}
@@ -65,6 +68,27 @@ def user_environ() -> Dict[str, str]:
     device set must not make another set's check pass, nor its verdict say "no remedy".
     """
     return {name: value for name, value in os.environ.items() if _applied.get(name) != value}
+
+
+#: NCCL's troubleshooting fixes (variables safestrategy may set), in the order they are tried.
+REMEDIES: Tuple[Tuple[str, str], ...] = (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))
+
+
+def user_remedies() -> Dict[str, str]:
+    """The remedy variables the user set, with the user's values: never overridden, and
+    their remedies never tried (one set by safestrategy for another device set is not
+    the user's)."""
+    user = user_environ()
+    return {name: user[name] for name, _ in REMEDIES if name in user}
+
+
+def untried(after: Mapping[str, str], taken: Mapping[str, str]) -> List[Dict[str, str]]:
+    """NCCL's remedies not tried yet, in order: those after the one ``after`` names (``{}``:
+    from the first), without any whose variable is ``taken`` (the user's own: name -> value)."""
+    names = [name for name, _ in REMEDIES]
+    tried = [names.index(name) for name in after if name in names]
+    start = max(tried) + 1 if tried else 0
+    return [{name: value} for name, value in REMEDIES[start:] if name not in taken]
 
 
 class Setting(NamedTuple):

@@ -25,6 +25,7 @@ from typing import (
     Union,
 )
 
+from . import records
 from ._devices import Device
 from ._env import ENV_BACKEND, Setting
 from .backends import BACKEND_NAMES
@@ -229,12 +230,11 @@ def _last_resort(decision: Decision, recorded: Collection[str], anyway: Check) -
     """``decision`` (nothing passed), unless a candidate that failed on its record passes
     with the record set aside: then the last such in the order, with its result."""
     results = list(decision.results)
-    for index in reversed(range(len(results))):
-        if results[index].name in recorded and results[index].status not in (SKIPPED, OK):
-            result = anyway(results[index].name)
-            if result.status == OK:
-                results[index] = result
-                return Decision(result.name, LAST_RESORT_REASON, tuple(results))
+    for name in records.set_aside(results, list(recorded)):
+        result = anyway(name)
+        if result.status == OK:
+            results[[r.name for r in results].index(name)] = result
+            return Decision(result.name, LAST_RESORT_REASON, tuple(results))
     return decision
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Iterator, List, Optional, Sequence
 
-from . import _benchmark, _tf
+from . import _benchmark, _tf, records
 from ._devices import Device, cpu_count, parse_devices
 from ._env import (
     DEFAULT_TIMEOUT,
@@ -38,7 +38,6 @@ from ._env import (
     resolve_timeout,
 )
 from .backends import BACKEND_NAMES, BACKENDS, COMMUNICATION_NAMES
-from .checks import stalls
 from .checks.allreduce import first_line
 from .factory import decide
 from .report import OK, CandidateResult, NoWorkingBackendError, Report
@@ -225,13 +224,13 @@ def _records(argv: List[str]) -> int:
     where = cache_dir()
     read = f"the cache directory {where} ({_where_from()})"
     if args.forget:
-        gone = stalls.forget(where, args.backend)
+        gone = records.forget(where, args.backend)
         print(f"forgot {gone} record{'' if gone == 1 else 's'} in {read}")
         return 0
-    found = [r for r in stalls.every(where) if args.backend in (None, r[2].backend)]
+    found = [r for r in records.every(where) if args.backend in (None, r[2].backend)]
     print(f"{len(found)} record{'' if len(found) == 1 else 's'} in {read}")
     for kind, key, stall in found:
-        if kind == stalls.MULTIWORKER_KIND:
+        if kind == records.MULTIWORKER_KIND:
             place = f"multi-worker, {key.get('task')} of {', '.join(key.get('cluster') or ())}"
         else:
             place = f"one machine, {', '.join(key.get('devices') or ())}"

@@ -4,8 +4,9 @@ The request is validated first (:func:`decide`); then the devices are made
 sure of, the candidates checked and timed where each belongs
 (:mod:`safestrategy.checks.runner`), one is chosen (:mod:`safestrategy.choose`),
 the report is logged, and the strategy is built (:mod:`safestrategy.backends`)
-and watched (:mod:`safestrategy._watchdog`). A process decides once per device
-set and execution mode.
+and watched (:mod:`safestrategy.training.watchdog`). The records of trouble during
+training are asked once per decision (:mod:`safestrategy.records`). A process decides
+once per device set and execution mode.
 """
 
 import logging
@@ -13,11 +14,11 @@ import platform as _platform
 import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
-from . import _env, _machine, _rundir, _tf, _watchdog, choose
+from . import _env, _machine, _rundir, _tf, choose, records
 from ._devices import Device, parse_devices, require_existing
 from ._env import Setting, resolve_backend, resolve_stall
 from .backends import build_cross_device_ops, build_strategy, check_kwargs
-from .checks import nccl, runner, stalls
+from .checks import nccl, runner
 from .checks.allreduce import graph_api
 from .choose import Decision, failure_message, override_hint
 from .report import (
@@ -29,6 +30,7 @@ from .report import (
     Report,
     set_last_report,
 )
+from .training import watchdog
 
 logger = logging.getLogger("safestrategy")
 
@@ -92,14 +94,16 @@ def decide(
     Raises ``ValueError`` for bad input, ``NoWorkingBackendError`` when nothing works.
     """
     request = _request(devices, backend, timeout, cache, refresh)
-    return _decide(request, on_result, on_start)
+    report, fresh, _ = _decide(request, on_result, on_start)
+    return report, fresh
 
 
 def _decide(
     request: _Request,
     on_result: Optional[Callable[[CandidateResult], None]],
     on_start: Optional[Callable[[], None]] = None,
-) -> Tuple[Report, bool]:
+) -> Tuple[Report, bool, records.Standing]:
+    """:func:`decide`, with what the records said for it (asked once, here)."""
     if _tf.tf_version() is None:
         raise ImportError(_tf.INSTALL_HINT)
     tf = _tf.import_tf()
@@ -108,7 +112,9 @@ def _decide(
     graph = graph_api(tf)  # the caller's execution mode: graph-mode checks drive another path
     mode = "eager" if graph is None else "graph"
     opts = request.nccl
-    recorded = stalls.recorded(tf, [str(d) for d in devices], opts.cache, opts.refresh)
+    names = [str(d) for d in devices]
+    standing = records.standing(tf, names, opts.cache, opts.refresh, setting.mode == "forced")
+    recorded = standing.stalls
     key = (
         devices,
         mode,
@@ -123,7 +129,7 @@ def _decide(
     if remembered is None:
         if on_start is not None:
             on_start()
-        decision = _fresh(tf, request, devices, mode, graph, recorded, on_result)
+        decision = _fresh(tf, request, devices, mode, graph, standing, on_result)
         kernels = _tf.nccl_kernel_count(tf)
     else:
         devices, decision, kernels = remembered
@@ -155,7 +161,7 @@ def _decide(
         raise NoWorkingBackendError(message, report)
     with _lock:
         _decisions[key] = devices, decision, kernels
-    return report, remembered is None
+    return report, remembered is None, standing
 
 
 def _fresh(
@@ -164,16 +170,14 @@ def _fresh(
     devices: Tuple[Device, ...],
     mode: str,
     graph: Optional[Any],
-    recorded: Tuple[Any, ...],
+    standing: records.Standing,
     on_result: Optional[Callable[[CandidateResult], None]],
 ) -> Decision:
     """A decision made now: checked (and timed) by a runner for these devices."""
     setting = request.setting
     if len(devices) < 2:
         return choose.single_device(setting, devices[0])
-    checks = runner.Runner(
-        tf, devices, request.nccl, request.payload_mb, graph, setting.mode, recorded
-    )
+    checks = runner.Runner(tf, devices, request.nccl, request.payload_mb, graph, standing)
 
     def check(name: str) -> CandidateResult:
         result = checks(name)
@@ -201,7 +205,7 @@ def _log(report: Report, setting: Setting, fresh: bool, timeout: float) -> None:
 
     where = f"on {', '.join(report.devices)}"
     level = logging.WARNING if fresh else logging.DEBUG
-    if stalls.last_resort(report):  # one WARNING names every record (stalls.warn)
+    if records.last_resort(report):  # one WARNING names every record (records.warn)
         kept = tuple(c for c in report.candidates if c.name not in stalled)
         report = report._replace(candidates=kept)
     choose.log_fallbacks(report, level, "all-reduce backend", where, override_hint(setting), note)
@@ -260,18 +264,18 @@ def make_mirrored_strategy(
         strategy = build_strategy(tf, era, devices, **kwargs)
         report = _own_ops_report(tf.__version__, strategy, own_ops)
     else:
-        report, fresh = _decide(request, None)
+        report, fresh, standing = _decide(request, None)
         _log(report, request.setting, fresh, request.nccl.timeout)
-        stalls.warn(report, request.setting, fresh)
+        records.warn(report, request.setting, fresh)
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         if chosen is not None and chosen.remedy:
             nccl.apply_remedy(chosen.remedy, report.devices)
         ops = build_cross_device_ops(tf, era, report.backend, report.devices)
         strategy = build_strategy(tf, era, list(report.devices), ops, **kwargs)
-        place = stalls.place_for(tf, report, request.nccl.cache)
+        place = standing.place_for(report)
     set_last_report(report)
-    _watchdog.watch(stall_settings, report, strategy, place)
-    _rundir.decision(stalls.decision_entry(report, place, stall_settings.timeout))
+    watchdog.watch(stall_settings, report, strategy, place)
+    _rundir.decision(records.decision_entry(report, place, stall_settings.timeout))
     return strategy
 
 

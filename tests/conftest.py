@@ -261,3 +261,30 @@ def run_cli():
         return run_python("-m", "safestrategy", *args, env=env, timeout=timeout)
 
     return run
+
+
+CPUS = ["/cpu:0", "/cpu:1"]
+
+
+def report(**fields):
+    """A hand-built report (NCCL on two GPUs, auto, unless ``fields`` say otherwise)."""
+    from safestrategy.report import Report
+
+    base = dict(
+        backend="nccl",
+        source="default",
+        mode="auto",
+        devices=("/device:GPU:0", "/device:GPU:1"),
+        platform="Linux",
+        tf_version="2.21.0",
+        tf_api="tf2",
+        candidates=(),
+    )
+    return Report(**{**base, **fields})
+
+
+def result(name, status, reason="fake"):
+    """A hand-built candidate result."""
+    from safestrategy.report import CandidateResult
+
+    return CandidateResult(name, status, reason)

@@ -67,7 +67,8 @@ def main(scenario, culprit):
     import tensorflow as tf
 
     import safestrategy
-    from safestrategy import _env, _watchdog
+    from safestrategy import _env
+    from safestrategy.training import publish, watchdog
 
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     armed = {"on": False}
@@ -96,15 +97,15 @@ def main(scenario, culprit):
     data = iter(tf.data.Dataset.from_generator(batches, output_signature=spec))
     step(next(data))  # traced and compiled
     os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = os.environ["PEERS_STALL_TIMEOUT"]
-    watched = _watchdog._watched[-1]
-    board = _watchdog._board
-    _watchdog.watch(_env.resolve_stall(), watched.report, strategy, watched.place, board)
+    watched = watchdog._watched[-1]
+    board = watchdog._board
+    watchdog.watch(_env.resolve_stall(), watched.report, strategy, watched.place, board)
     armed["on"] = True
     print("READY", os.getpid(), flush=True)
     if scenario == "steady":
         rounds, steps = int(os.environ["PEERS_ROUNDS"]), int(os.environ["PEERS_STEPS"])
         spent = []  # each sample's publishing, in seconds: its cost where it is paid
-        publish = _watchdog._publish
+        publish = publish.publish
 
         def timed(*args):
             started = time.perf_counter()
@@ -113,10 +114,10 @@ def main(scenario, culprit):
             finally:
                 spent.append(time.perf_counter() - started)
 
-        _watchdog._publish = timed
+        publish.publish = timed
         for number in range(rounds):
             publishing = number % 2 == 0  # the same rounds on every worker: they step together
-            _watchdog._board = board if publishing else None
+            watchdog._board = board if publishing else None
             started = time.perf_counter()
             for _ in range(steps):
                 step(next(data))

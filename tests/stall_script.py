@@ -35,9 +35,8 @@ import numpy as np
 import tensorflow as tf
 
 import safestrategy
-from safestrategy import _tf
+from safestrategy import _tf, records
 from safestrategy.checks import probe as _probe
-from safestrategy.checks import stalls as _stalls
 
 SCENARIO = sys.argv[1]
 T = float(os.environ.get("SAFESTRATEGY_STALL_TIMEOUT", "600"))
@@ -134,7 +133,7 @@ elif SCENARIO == "loop":
 elif SCENARIO == "slow":
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 2 * T})])
     time.sleep(T / 2)  # a sample or two after the step, for the INFO
-    left = _stalls.recorded(tf, safestrategy.last_report().devices)
+    left = records.recorded(tf, safestrategy.last_report().devices)
     print(f"RECORDS {len(left)}", flush=True)
 elif SCENARIO == "never":
     plan = {3: 0.8 * T, 4: 0.8 * T, 5: 0.8 * T}

@@ -98,11 +98,11 @@ def safestrategy_decisions_clear():
 def test_records_lists_and_forgets_both_key_spaces_with_tf_config_set(run_cli, tf, tmp_path):
     """``python -m safestrategy records``: one-machine and multi-worker records alike, on a
     worker (TF_CONFIG set), where ``--devices ... --refresh`` is for one machine (exit 2)."""
-    from safestrategy.checks import stalls
+    from safestrategy import records
 
-    stalls.record(stalls.on_machine(tf, ["/device:CPU:0", "/device:CPU:1"]), "nccl", 601, {})
-    worker = stalls.on_worker(tf, ["127.0.0.1:2222", "127.0.0.1:2223"], "worker:1")
-    stalls.record(worker, "ring", 602, {})
+    records.record(records.on_machine(tf, ["/device:CPU:0", "/device:CPU:1"]), "nccl", 601, {})
+    worker = records.on_worker(tf, ["127.0.0.1:2222", "127.0.0.1:2223"], "worker:1")
+    records.record(worker, "ring", 602, {})
     tf_config = json.dumps(
         {
             "cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
@@ -127,9 +127,9 @@ def test_the_command_the_report_quotes_for_recorded_stalls_forgets_them(run_cli,
     """The report's "stalls recorded (... forgets them)" quotes a command that does: it
     names the devices, which the records' key holds (a bare --refresh checks the default
     devices and leaves them)."""
-    from safestrategy.checks import stalls
+    from safestrategy import records
 
-    stalls.record(stalls.on_machine(tf, ["/device:CPU:0", "/device:CPU:1"]), "nccl", 601, {})
+    records.record(records.on_machine(tf, ["/device:CPU:0", "/device:CPU:1"]), "nccl", 601, {})
     shown = run_cli("--devices", "/cpu:0", "/cpu:1")
     assert shown.returncode == 0, shown.stderr
     (quoted,) = re.findall(r"stalls recorded \(`?(.+?)`? forgets them\)", shown.stdout)

@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 
 import safestrategy
-from safestrategy import choose
+from safestrategy import choose, records
 from safestrategy._env import Setting, resolve_communication
 from safestrategy.checks import nccl as _nccl
 from safestrategy.checks import probe as _probe
-from safestrategy.checks import stalls
 from safestrategy.multiworker import agree
 from safestrategy.multiworker import cluster as _cluster
 from safestrategy.multiworker import factory as multiworker
@@ -351,11 +350,12 @@ def test_records_carry_their_remedy_and_every_worker_moves_on_to_the_next_untrie
 def test_the_hello_carries_the_remedy_a_record_was_made_under(tf, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", tf_configs(2)[1])
     workers = _cluster.read()
-    place = stalls.on_worker(tf, [str(a) for a in workers.workers], workers.task, read=True)
-    stalls.record(place, "nccl", 600.0, P2P)
-    stalls.record(place, "ring", 600.0, {})  # RING is never failed by a record: not carried
+    place = records.on_worker(tf, [str(a) for a in workers.workers], workers.task, read=True)
+    records.record(place, "nccl", 600.0, P2P)
+    records.record(place, "ring", 600.0, {})  # RING is never failed by a record: not carried
     request = multiworker.Request(workers, resolve_communication("auto"), 3.0, True)
-    hello = multiworker._hello(request, {"records": multiworker.records(tf, workers)})
+    carried = records.carried(tf, [str(a) for a in workers.workers], workers.task)
+    hello = multiworker._hello(request, {"records": carried})
     sent = json.loads(json.dumps(hello))  # as the rendezvous carries it
     assert [r["remedy"] for r in sent["records"]] == [P2P]
     assert agree.after_records({"worker:0": {}, "worker:1": sent}) == [SHM]

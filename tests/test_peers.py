@@ -1,4 +1,4 @@
-"""Which worker holds the others back (safestrategy._peers): the pure verdict and
+"""Which worker holds the others back (safestrategy.training.peers and .board): the pure verdict and
 whereabouts from hand-built inputs, the key-value board on a stand-in store, then real
 workers on 127.0.0.1 (tests/peers_worker.py), one per verdict."""
 
@@ -12,9 +12,10 @@ import types
 
 import pytest
 
-from safestrategy import _peers
-from safestrategy._peers import GONE, HELD, STUCK, UNSEEN, Beat, Heard
-from safestrategy.checks import stalls
+from safestrategy import records
+from safestrategy.training import peers
+from safestrategy.training.board import Board
+from safestrategy.training.peers import GONE, HELD, STUCK, UNSEEN, Beat, Heard
 
 from . import peers_worker
 from .conftest import needs_tf
@@ -22,7 +23,7 @@ from .conftest import needs_tf
 TASKS = ("worker:0", "worker:1", "worker:2")
 
 
-def beat(task, where=_peers.STEP, seconds=600.0, at="train.py:40", sample=9):
+def beat(task, where=peers.STEP, seconds=600.0, at="train.py:40", sample=9):
     return Beat(task, "host", sample, where, seconds, at)
 
 
@@ -35,56 +36,56 @@ def heard(*wheres, ago=1.0):
 
 
 def test_every_worker_inside_the_step_is_the_communication():
-    for wheres in ((_peers.STEP, _peers.STEP, _peers.STEP), (_peers.PY_FUNCTION,) * 2):
-        verdict = _peers.verdict("worker:0", heard(*wheres), 5.0)
+    for wheres in ((peers.STEP, peers.STEP, peers.STEP), (peers.PY_FUNCTION,) * 2):
+        verdict = peers.verdict("worker:0", heard(*wheres), 5.0)
         assert (verdict.kind, verdict.task) == (STUCK, None)
         assert verdict.line.startswith("every worker is inside the same step")
 
 
-@pytest.mark.parametrize("where", [_peers.INPUT, _peers.OUTSIDE, _peers.CHECKPOINT])
+@pytest.mark.parametrize("where", [peers.INPUT, peers.OUTSIDE, peers.CHECKPOINT])
 def test_a_worker_away_from_the_allreduce_holds_the_others_back(where):
-    verdict = _peers.verdict("worker:0", heard(_peers.STEP, where, _peers.STEP), 5.0)
+    verdict = peers.verdict("worker:0", heard(peers.STEP, where, peers.STEP), 5.0)
     assert (verdict.kind, verdict.task) == (HELD, "worker:1")
     assert verdict.line == (
-        f"worker:1 holds the others back: {_peers.WHERE[where]} for 600 s (train.py:40)"
+        f"worker:1 holds the others back: {peers.WHERE[where]} for 600 s (train.py:40)"
     )
     # every worker draws the same verdict, the culprit too
-    assert _peers.verdict("worker:1", heard(_peers.STEP, where, _peers.STEP), 5.0) == verdict
+    assert peers.verdict("worker:1", heard(peers.STEP, where, peers.STEP), 5.0) == verdict
 
 
 def test_workers_between_steps_hold_no_one_back():
-    moving = heard(_peers.INPUT, _peers.OUTSIDE)
-    verdict = _peers.verdict("worker:0", moving, 5.0, hold=3.0)  # away 600 s: both hold
+    moving = heard(peers.INPUT, peers.OUTSIDE)
+    verdict = peers.verdict("worker:0", moving, 5.0, hold=3.0)  # away 600 s: both hold
     assert (verdict.kind, verdict.task) == (HELD, "worker:0")
     assert verdict.line.startswith("no worker is in the all-reduce: worker:0 is waiting")
     brief = {t: Heard(h.beat._replace(seconds=0.0), h.ago) for t, h in moving.items()}
-    assert _peers.verdict("worker:0", brief, 5.0, hold=3.0).kind == UNSEEN  # a moment each
+    assert peers.verdict("worker:0", brief, 5.0, hold=3.0).kind == UNSEEN  # a moment each
 
 
 def test_a_py_function_that_the_others_wait_for_holds_them_back():
-    verdict = _peers.verdict("worker:0", heard(_peers.STEP, _peers.PY_FUNCTION), 5.0)
+    verdict = peers.verdict("worker:0", heard(peers.STEP, peers.PY_FUNCTION), 5.0)
     assert (verdict.kind, verdict.task) == (HELD, "worker:1")
     assert "running your Python in a py_function for 600 s" in verdict.line
 
 
 def test_a_worker_unheard_for_more_than_two_samples_stopped_answering():
-    stale = heard(_peers.STEP, _peers.STEP, _peers.STEP)
+    stale = heard(peers.STEP, peers.STEP, peers.STEP)
     stale["worker:2"] = Heard(beat("worker:2"), 11.2)  # 2 samples of 5 s, and a second more
-    verdict = _peers.verdict("worker:0", stale, 5.0)
+    verdict = peers.verdict("worker:0", stale, 5.0)
     assert (verdict.kind, verdict.task, verdict.line) == (
         GONE,
         "worker:2",
         "worker:2 stopped answering 11 s ago",
     )
     stale["worker:2"] = Heard(beat("worker:2"), 10.9)
-    assert _peers.verdict("worker:0", stale, 5.0).kind == STUCK  # not yet
+    assert peers.verdict("worker:0", stale, 5.0).kind == STUCK  # not yet
     never = {**stale, "worker:2": Heard(None, None)}  # a worker without safestrategy
-    assert "worker:2 was never heard from" in _peers.verdict("worker:0", never, 5.0).line
-    assert _peers.verdict("worker:0", stale, 5.0, seen=False).kind == UNSEEN
+    assert "worker:2 was never heard from" in peers.verdict("worker:0", never, 5.0).line
+    assert peers.verdict("worker:0", stale, 5.0, seen=False).kind == UNSEEN
 
 
 def test_the_table_shows_every_worker():
-    text = _peers.table("worker:0", heard(_peers.STEP, _peers.INPUT, ago=2.4))
+    text = peers.table("worker:0", heard(peers.STEP, peers.INPUT, ago=2.4))
     lines = text.splitlines()
     assert lines[0].split() == ["task", "host", "where", "since", "last", "heard"]
     assert "this worker" in lines[1] and "waiting for input data (train.py:40)" in lines[2]
@@ -105,16 +106,16 @@ def library(filename):
 
 def test_whereabouts_reads_the_threads_as_the_watchdog_samples_them():
     main = fake_frame("/me/train.py", "<module>", line=88)
-    assert _peers.whereabouts({1: main}, {}, 1, library) == (_peers.OUTSIDE, "train.py:88", None)
+    assert peers.whereabouts({1: main}, {}, 1, library) == (peers.OUTSIDE, "train.py:88", None)
     step = fake_frame(f"{TF}/eager/def_function.py", "__call__", main)
     calls = {1: (step, "step")}
-    assert _peers.whereabouts({1: step}, calls, 1, library) == (_peers.STEP, "train.py:88", step)
-    assert _peers.whereabouts({1: step}, {1: (step, "input")}, 1, library)[0] == _peers.INPUT
+    assert peers.whereabouts({1: step}, calls, 1, library) == (peers.STEP, "train.py:88", step)
+    assert peers.whereabouts({1: step}, {1: (step, "input")}, 1, library)[0] == peers.INPUT
     script = fake_frame(f"{TF}/ops/script_ops.py", "__call__")
     user = fake_frame("/me/layers.py", "sleepy", script)
     frames = {1: step, 2: user}
-    assert _peers.whereabouts(frames, calls, 1, library) == (
-        _peers.PY_FUNCTION,
+    assert peers.whereabouts(frames, calls, 1, library) == (
+        peers.PY_FUNCTION,
         "layers.py:1",
         script,  # the py_function call: one object for as long as it runs
     )
@@ -127,10 +128,10 @@ def test_whereabouts_reads_the_threads_as_the_watchdog_samples_them():
             fake_frame(f"{TF}/ops/script_ops.py", "__call__"),
         ),
     )
-    where = _peers.whereabouts({1: step, 2: generator}, calls, 1, library)
-    assert where[:2] == (_peers.INPUT, "data.py:1")
+    where = peers.whereabouts({1: step, 2: generator}, calls, 1, library)
+    assert where[:2] == (peers.INPUT, "data.py:1")
     saving = fake_frame(f"{TF}/checkpoint/checkpoint.py", "save", main)
-    assert _peers.whereabouts({1: saving}, {}, 1, library)[0] == _peers.CHECKPOINT
+    assert peers.whereabouts({1: saving}, {}, 1, library)[0] == peers.CHECKPOINT
 
 
 def test_a_steady_worker_is_in_each_step_only_as_long_as_that_step(monkeypatch, caplog):
@@ -140,20 +141,21 @@ def test_a_steady_worker_is_in_each_step_only_as_long_as_that_step(monkeypatch, 
     nothing of holding the other back (a healthy run had said it: its steps had added up
     to 135 s "inside a step"). A step that stays, against a ``get_next`` that stays, for
     the timeout: the one in ``get_next`` says once that it holds the other back."""
-    from safestrategy import _env, _watchdog
+    from safestrategy import _env
+    from safestrategy.training import publish
 
     settings, now = _env.StallSettings(5.0, "exit"), [100.0]
     store, me = Store(), threading.main_thread().ident
-    boards = [_peers.Board(store.kv(), ["a", "b"], TASKS[:2], t, lambda: now[0]) for t in TASKS[:2]]
-    heres = [type("_Here", (_watchdog._Here,), {}) for _ in boards]
+    boards = [Board(store.kv(), ["a", "b"], TASKS[:2], t, lambda: now[0]) for t in TASKS[:2]]
+    heres = [type("_Here", (publish.Here,), {}) for _ in boards]
     main = fake_frame("/me/train.py", "<module>", line=7)
 
     def sample(number, *calls):  # each worker's call: (frame, kind), or None outside
         for board, here, call in zip(boards, heres, calls):
-            monkeypatch.setattr(_watchdog, "_Here", here)
+            monkeypatch.setattr(publish, "Here", here)
             seen = {me: call} if call else {}
             frames = {me: call[0] if call else main}
-            _watchdog._publish(board, number, seen, frames, now[0], 0.0, settings)
+            publish.publish(board, number, seen, frames, now[0], 0.0, settings)
         now[0] += 1.0
 
     def step():
@@ -167,7 +169,7 @@ def test_a_steady_worker_is_in_each_step_only_as_long_as_that_step(monkeypatch, 
         sample(number, step(), step())
     sample(11, get_next(), step())
     beat = boards[0].heard()["worker:1"].beat
-    assert (beat.where, beat.seconds) == (_peers.STEP, 0.0)
+    assert (beat.where, beat.seconds) == (peers.STEP, 0.0)
     assert caplog.records == []
     hung, blocked = step(), get_next()
     for number in range(12, 19):
@@ -212,11 +214,11 @@ class Store:
 def test_the_board_publishes_over_and_over_and_hears_a_counter_change():
     store, now = Store(), [100.0]
     cluster = ["127.0.0.1:1", "127.0.0.1:2"]
-    zero = _peers.Board(store.kv(), cluster, TASKS[:2], "worker:0", lambda: now[0])
-    one = _peers.Board(store.kv(), cluster, TASKS[:2], "worker:1", lambda: now[0])
+    zero = Board(store.kv(), cluster, TASKS[:2], "worker:0", lambda: now[0])
+    one = Board(store.kv(), cluster, TASKS[:2], "worker:1", lambda: now[0])
     for sample in (1, 2):
-        one.publish(sample, _peers.STEP, 3.0 * sample, "train.py:9")  # inserted again
-        zero.publish(sample, _peers.STEP, 3.0, "")
+        one.publish(sample, peers.STEP, 3.0 * sample, "train.py:9")  # inserted again
+        zero.publish(sample, peers.STEP, 3.0, "")
         zero.look()
         now[0] += 5
     assert zero.heard()["worker:1"] == Heard(
@@ -229,14 +231,14 @@ def test_the_board_publishes_over_and_over_and_hears_a_counter_change():
 
 def test_a_frozen_service_bounds_every_call_and_the_peers_are_unseen():
     store = Store()
-    board = _peers.Board(store.kv(), ["a", "b"], TASKS[:2], "worker:0")
+    board = Board(store.kv(), ["a", "b"], TASKS[:2], "worker:0")
     store.frozen.set()
     started = time.monotonic()
-    board.publish(1, _peers.STEP, 1.0, "")
+    board.publish(1, peers.STEP, 1.0, "")
     board.look()
     assert time.monotonic() - started < 1.5  # one bounded wait, then "still stuck" at once
     assert not board.seen
-    verdict = _peers.verdict("worker:0", board.heard(), 5.0, board.seen)
+    verdict = peers.verdict("worker:0", board.heard(), 5.0, board.seen)
     assert verdict.kind == UNSEEN and "could not be seen" in verdict.line
 
 
@@ -284,7 +286,7 @@ def test_three_workers_name_the_one_that_sleeps_between_steps(seeing, tmp_path):
         assert "peers_worker.py:" in said and "Not recorded: a worker outside" in errors[index]
         assert "workers:" in errors[index]
     assert "this worker (worker:2) holds the others back: outside any TensorFlow" in culprit
-    assert all(stalls.every(str(tmp_path / f"c{i}")) == [] for i in range(3))  # none anywhere
+    assert all(records.every(str(tmp_path / f"c{i}")) == [] for i in range(3))  # none anywhere
 
 
 @needs_tf
@@ -305,7 +307,7 @@ def test_every_worker_inside_the_same_step_is_recorded_against_the_communication
     for index in (0, 1):
         assert processes[index].returncode == 75, errors[index][-3000:]
         assert verdict_of(errors[index]).startswith("every worker is inside the same step")
-        (record,) = [s for _, _, s in stalls.every(str(tmp_path / f"c{index}"))]
+        (record,) = [s for _, _, s in records.every(str(tmp_path / f"c{index}"))]
         assert record.cause.startswith("every worker is inside the same step")
 
 
@@ -325,9 +327,9 @@ def seeing(tf2):
 def test_a_service_that_answered_then_stopped_is_its_leader_gone():
     store = Store()
     cluster = ["127.0.0.1:1", "127.0.0.1:2"]
-    leader = _peers.Board(store.kv(), cluster, TASKS[:2], "worker:0")
-    board = _peers.Board(store.kv(), cluster, TASKS[:2], "worker:1")
-    leader.publish(1, _peers.STEP, 1.0, "")
+    leader = Board(store.kv(), cluster, TASKS[:2], "worker:0")
+    board = Board(store.kv(), cluster, TASKS[:2], "worker:1")
+    leader.publish(1, peers.STEP, 1.0, "")
     board.look()
     assert board.answered and board.seen
     store.frozen.set()  # the leader, which serves the store, is SIGSTOPped or killed
@@ -365,12 +367,12 @@ def test_a_service_that_answered_then_stopped_is_its_leader_gone():
     ids=["unhealthy", "socket-closed", "is-down", "not-a-peer"],
 )
 def test_an_abort_for_a_peer_gone_names_the_worker_tensorflow_names(error, task):
-    assert _peers.gone_in(error, "worker:2") == task
-    from safestrategy import _watchdog
+    assert peers.gone_in(error, "worker:2") == task
+    from safestrategy.training import hooks
 
     store = Store()
-    board = _peers.Board(store.kv(), ["a", "b", "c"], TASKS, "worker:2")
-    lost = _watchdog.lost_peer(board, error)
+    board = Board(store.kv(), ["a", "b", "c"], TASKS, "worker:2")
+    lost = hooks.lost_peer(board, error)
     if task is None:
         assert lost is None
     else:
@@ -384,12 +386,13 @@ def test_an_abort_after_a_peer_ended_on_its_stall_takes_that_peers_verdict(monke
     ends; TF aborts worker:2's collectives naming worker:1. worker:2 says what worker:1
     found; without such a beat it names the one TF names (none of the peers' health probes
     here)."""
-    from safestrategy import _env, _watchdog
+    from safestrategy import _env
+    from safestrategy.training import hooks, watchdog
 
-    monkeypatch.setattr(_watchdog, "_settings", _env.StallSettings(5.0, "exit"))
+    monkeypatch.setattr(watchdog, "_settings", _env.StallSettings(5.0, "exit"))
     store = Store()
-    boards = [_peers.Board(store.kv(), ["a", "b", "c"], TASKS, task) for task in TASKS]
-    for board, where in zip(boards, (_peers.INPUT, _peers.STEP, _peers.STEP)):
+    boards = [Board(store.kv(), ["a", "b", "c"], TASKS, task) for task in TASKS]
+    for board, where in zip(boards, (peers.INPUT, peers.STEP, peers.STEP)):
         board.publish(1, where, 5.0, "train.py:40")
     error = (
         "UnavailableError: Collective ops is aborted by: Socket closed\nAdditional GRPC error "
@@ -398,15 +401,15 @@ def test_an_abort_after_a_peer_ended_on_its_stall_takes_that_peers_verdict(monke
     boards[2].look()
     # worker:0 had been away for 5 s: its beats say it held the others
     held = "training stopped: worker:0 holds the others back: waiting for input data for 5 s"
-    assert _watchdog.lost_peer(boards[2], error).text.startswith(held)
-    boards[0].publish(2, _peers.INPUT, 0.5, "train.py:40")  # a moment away: between steps
+    assert hooks.lost_peer(boards[2], error).text.startswith(held)
+    boards[0].publish(2, peers.INPUT, 0.5, "train.py:40")  # a moment away: between steps
     boards[2].look()
-    assert _watchdog.lost_peer(boards[2], error).text.startswith(
+    assert hooks.lost_peer(boards[2], error).text.startswith(
         "training stopped: worker:1 stopped answering"
     )
     line = "worker:0 holds the others back: waiting for input data for 5 s (train.py:40)"
-    boards[1].publish(2, _peers.STEP, 5.0, "", _peers.Verdict(HELD, "worker:0", line))
-    text = _watchdog.lost_peer(boards[2], error).text
+    boards[1].publish(2, peers.STEP, 5.0, "", peers.Verdict(HELD, "worker:0", line))
+    text = hooks.lost_peer(boards[2], error).text
     assert text.startswith(f"training stopped: {line}; the workers that waited ended")
 
 
@@ -417,25 +420,26 @@ def test_the_worker_an_abort_ends_first_names_the_killed_one_for_those_it_ends_n
     ends worker:1 with "the leader is unreachable". The leader's last beat says worker:2,
     and it keeps the store up until worker:1 has read it (two samples), not longer; so
     worker:1 names worker:2, not the leader its own abort names."""
-    from safestrategy import _env, _watchdog
+    from safestrategy import _env
+    from safestrategy.training import hooks, watchdog
 
-    monkeypatch.setattr(_watchdog, "_settings", _env.StallSettings(5.0, "exit"))
+    monkeypatch.setattr(watchdog, "_settings", _env.StallSettings(5.0, "exit"))
     store = Store()
-    leader, one, _ = [_peers.Board(store.kv(), ["a", "b", "c"], TASKS, t) for t in TASKS]
+    leader, one, _ = [Board(store.kv(), ["a", "b", "c"], TASKS, t) for t in TASKS]
     for sample, board in enumerate((leader, one), 1):
-        board.publish(sample, _peers.STEP, 2.0, "train.py:9")
+        board.publish(sample, peers.STEP, 2.0, "train.py:9")
     killed = (
         "UnavailableError: Collective ops is aborted by: Socket closed\nAdditional GRPC error "
         "information from remote target /job:worker/replica:0/task:2 while calling RecvBuf"
     )
-    lost = _watchdog.lost_peer(leader, killed)
-    assert lost.verdict == _peers.Verdict(GONE, "worker:2", "worker:2 stopped answering")
-    leader.publish(-1, _peers.STEP, 2.0, "", lost.verdict)
+    lost = hooks.lost_peer(leader, killed)
+    assert lost.verdict == peers.Verdict(GONE, "worker:2", "worker:2 stopped answering")
+    leader.publish(-1, peers.STEP, 2.0, "", lost.verdict)
 
     def sampling():  # worker:1's watchdog: publish, then look, a sample every 0.3 s
         for sample in range(3, 7):
             time.sleep(0.3)
-            one.publish(sample, _peers.STEP, 2.0, "train.py:9")
+            one.publish(sample, peers.STEP, 2.0, "train.py:9")
             one.look()
 
     started, peer = time.monotonic(), threading.Thread(target=sampling)
@@ -443,7 +447,7 @@ def test_the_worker_an_abort_ends_first_names_the_killed_one_for_those_it_ends_n
     assert leader.read_by_peers(5.0, ["worker:2"])  # worker:2 ended: not waited for
     assert 0.5 < time.monotonic() - started < 1.5  # two of worker:1's samples
     peer.join(timeout=5)
-    leader.publish(7, _peers.STEP, 2.0, "")  # the leader's watchdog samples on: it keeps
+    leader.publish(7, peers.STEP, 2.0, "")  # the leader's watchdog samples on: it keeps
     one.look()  # saying its verdict
     store.frozen.set()  # the leader ends, and with it the store
     unreachable = (
@@ -452,16 +456,16 @@ def test_the_worker_an_abort_ends_first_names_the_killed_one_for_those_it_ends_n
         "information from remote target /job:worker/replica:0/task:0 while calling "
         "/tensorflow.CoordinationService/Heartbeat"
     )
-    assert _peers.gone_in(unreachable, "worker:1") == "worker:0"
-    text = _watchdog.lost_peer(one, unreachable).text
+    assert peers.gone_in(unreachable, "worker:1") == "worker:0"
+    text = hooks.lost_peer(one, unreachable).text
     assert text.startswith("training stopped: worker:2 stopped answering"), text
 
 
 def test_a_peer_that_never_reads_is_waited_for_no_longer_than_the_bound():
     store = Store()
-    zero, one = [_peers.Board(store.kv(), ["a", "b"], TASKS[:2], t) for t in TASKS[:2]]
-    one.publish(1, _peers.STEP, 1.0, "")
-    zero.publish(-1, _peers.STEP, 1.0, "", _peers.Verdict(GONE, None, "a worker stopped"))
+    zero, one = [Board(store.kv(), ["a", "b"], TASKS[:2], t) for t in TASKS[:2]]
+    one.publish(1, peers.STEP, 1.0, "")
+    zero.publish(-1, peers.STEP, 1.0, "", peers.Verdict(GONE, None, "a worker stopped"))
     started = time.monotonic()
     assert not zero.read_by_peers(0.5)  # worker:1 is frozen: it never samples again
     assert time.monotonic() - started < 1.5
@@ -473,17 +477,17 @@ def test_a_stalled_worker_names_the_one_the_gone_leader_said_was_gone_first():
     alive), so its watchdog fires after the leader ended on the abort. The leader's last
     beat said worker:2: worker:1 names worker:2, not the leader it can no longer reach."""
     store = Store()
-    leader, one, two = [_peers.Board(store.kv(), ["a", "b", "c"], TASKS, t) for t in TASKS]
+    leader, one, two = [Board(store.kv(), ["a", "b", "c"], TASKS, t) for t in TASKS]
     for board in (leader, one, two):
-        board.publish(1, _peers.STEP, 2.0, "train.py:9")
+        board.publish(1, peers.STEP, 2.0, "train.py:9")
     one.look()
-    leader.publish(-1, _peers.STEP, 2.0, "", _peers.Verdict(GONE, "worker:2", "worker:2 st"))
+    leader.publish(-1, peers.STEP, 2.0, "", peers.Verdict(GONE, "worker:2", "worker:2 st"))
     one.look()
     now = time.monotonic()
     one.clock = lambda: now + 12  # more than two samples of 5 s later
     store.frozen.set()  # the leader has ended, and with it the store
     one.look()
     verdict = one.verdict(5.0)
-    assert verdict == _peers.Verdict(
+    assert verdict == peers.Verdict(
         GONE, "worker:2", "worker:2 stopped answering 12 s ago (worker:0 saw it first)"
     )

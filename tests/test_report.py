@@ -2,7 +2,9 @@
 
 import json
 
-from safestrategy import CandidateResult, Report
+from safestrategy import CandidateResult
+
+from .conftest import report
 
 
 def make_report(**changes):
@@ -10,18 +12,15 @@ def make_report(**changes):
         backend="reduce_to_cpu",
         source="env",
         mode="list",
-        devices=("/device:GPU:0", "/device:GPU:1"),
         platform="Windows",
         tf_version="2.10.1",
-        tf_api="tf2",
         candidates=(
             CandidateResult("nccl", "failed", "InvalidArgumentError: No OpKernel", 0.5),
             CandidateResult("reduce_to_cpu", "ok", "all 2 replicas got the right sum", 0.1),
         ),
         reason="first candidate that passed",
     )
-    fields.update(changes)
-    return Report(**fields)
+    return report(**{**fields, **changes})
 
 
 def test_to_json_round_trips_to_dict():

@@ -1,5 +1,5 @@
-"""``python -m safestrategy run``: the pure table (:func:`safestrategy.run.judge`), the run
-directory, and real relaunches of a real Keras training (tests/run_script.py)."""
+"""``python -m safestrategy run``: the run directory, and real relaunches of a real Keras
+training (tests/run_script.py); its pure table is tests/test_judge.py."""
 
 import contextlib
 import json
@@ -12,9 +12,8 @@ import time
 
 import pytest
 
-from safestrategy import _rundir, run
-from safestrategy.checks import stalls
-from safestrategy.report import Stall
+from safestrategy import _rundir, records, run
+from safestrategy.run import judge
 
 from .conftest import (
     ROOT,
@@ -25,225 +24,6 @@ from .conftest import (
     tf_configs,
     workers_together,
 )
-
-PLACE = {
-    "kind": stalls.KIND,
-    "key": {"machine": "m", "devices": ["/device:CPU:0", "/device:CPU:1"]},
-}
-HERE = {"backend": "nccl", "devices": ["/device:GPU:0", "/device:GPU:1"], "mode": "auto"}
-
-
-PID = 4242  #: the training's pid in the tables below
-
-
-def decided(**fields):
-    entry = {**HERE, "place": PLACE, "read": True, "remedy": {}, "pid": PID}
-    return {**entry, "unread": None, "cache": "/the/trainings/cache", **fields}
-
-
-def launch(decisions=(), beats=None, error="", fault="", stalled=()):
-    beats = {PID: beats} if beats is not None else {}
-    return _rundir.Launch(list(decisions), beats, error, fault, tuple(stalled))
-
-
-def no_record(place, backend, cache):
-    return None
-
-
-def a_record(place, backend, cache):
-    assert cache == "/the/trainings/cache"  # where the training reads, not run's own cache
-    return Stall(backend, 600.0, "2026-12-02T10:00:00+00:00")
-
-
-def test_a_recorded_stall_is_relaunched_and_an_unread_one_is_not():
-    stalled = run.Ended(75, 700.0)
-    verdict = run.judge(stalled, launch([decided()]), a_record)
-    assert (verdict.relaunch, verdict.code, verdict.record) == (True, 75, None)
-    assert verdict.why == (
-        "training stalled on nccl after 600 s (recorded); the next decision tries nccl with "
-        "NCCL_P2P_DISABLE=1, then with NCCL_SHM_DISABLE=1, then the next backend"
-    )
-    for why in ("a forced backend is used whatever its records say", "one device has no"):
-        entry = decided(read=False, place=None, unread=why)
-        verdict = run.judge(stalled, launch([entry]), a_record)
-        assert not verdict.relaunch and verdict.code == 75 and f"({why})" in verdict.why
-    unknown = run.judge(stalled, launch([decided()]), no_record)  # the watchdog could not tell
-    assert not unknown.relaunch and "could not tell which strategy" in unknown.why
-
-
-P2P, SHM = {"NCCL_P2P_DISABLE": "1"}, {"NCCL_SHM_DISABLE": "1"}
-WORKER = {"kind": stalls.MULTIWORKER_KIND, "key": {"task": "worker:1"}}
-
-
-def test_the_relaunch_line_says_what_the_next_decision_does():
-    """Not "avoids it" where the next decision tries the same backend with another remedy."""
-    crashed = run.Ended(-6, 42.0)
-
-    def why(**entry):
-        return run.judge(crashed, launch([decided(**entry)], "3 inside"), no_record).why
-
-    tail = "(killed by SIGABRT) (recorded); the next decision "
-    after_p2p = why(task="worker:1", place=WORKER, remedy=P2P, next_remedies=[SHM])
-    assert after_p2p.endswith(
-        tail + "tries nccl with NCCL_SHM_DISABLE=1 on every worker, then ring"
-    )
-    after_shm = why(task="worker:1", place=WORKER, remedy=SHM, next_remedies=[])
-    assert after_shm.endswith(tail + "takes ring on every worker")
-    assert why(remedy=P2P).endswith(  # an entry of 0.4.0, without next_remedies
-        tail + "tries nccl with NCCL_SHM_DISABLE=1, then the next backend"
-    )
-    assert why(backend="hierarchical_copy").endswith(
-        tail + "avoids hierarchical_copy while another backend passes without a record"
-    )
-
-
-def test_a_decision_entry_lists_the_remedies_a_next_decision_retries(monkeypatch):
-    from safestrategy.report import CandidateResult, Report
-
-    def entry(backend, reason="", remedy=None):
-        chosen = CandidateResult(backend, "ok", reason, remedy=remedy or {})
-        report = Report(
-            backend, "default", "auto", ("/gpu:0", "/gpu:1"), "Linux", "2.21.0", "tf2", (chosen,)
-        )
-        return stalls.decision_entry(report, None, 600.0)["next_remedies"]
-
-    assert entry("nccl") == [P2P, SHM] and entry("nccl", remedy=P2P) == [SHM]
-    assert entry("collective", "all 2 replicas got the right sum (NCCL requested)") == [P2P, SHM]
-    assert entry("collective", "all 2 replicas got the right sum (RING requested)") == []
-    monkeypatch.setenv("NCCL_SHM_DISABLE", "0")  # the user's own: never tried
-    assert entry("nccl") == [P2P]
-    monkeypatch.setenv("SAFESTRATEGY_NCCL_REMEDIES", "off")
-    assert entry("nccl") == []
-
-
-def test_an_allreduce_death_inside_a_tf_call_is_a_crash_record_and_a_relaunch():
-    for returncode in (-6, 134, -11, 135):  # SIGABRT, SIGSEGV: as a signal or from a shell
-        verdict = run.judge(
-            run.Ended(returncode, 42.0), launch([decided()], "17 inside"), no_record
-        )
-        assert verdict.relaunch and verdict.record.kind == "crash"
-        assert verdict.record.cause.startswith("killed by SIG") and verdict.record.seconds == 42.0
-        assert verdict.code == run.exit_code(returncode)
-    error = "InternalError: ncclUnhandledCudaError: Call to CUDA function failed."
-    verdict = run.judge(run.Ended(1, 9.0), launch([decided()], "3 inside", error), no_record)
-    assert verdict.relaunch and verdict.record.cause == error and verdict.code == 1
-
-
-def test_what_no_record_can_cure_is_not_relaunched():
-    cases = {
-        "teardown": (run.Ended(-6, 5.0), launch([decided()], _rundir.FINISHED)),
-        "outside a call": (run.Ended(-6, 5.0), launch([decided()], "9 outside")),
-        "before any factory": (run.Ended(1, 2.0), launch([], None, "ImportError: no tf")),
-        "the user's error": (run.Ended(1, 2.0), launch([decided()], "4 inside", "ValueError: x")),
-        "ambiguous": (run.Ended(-6, 5.0), launch([decided(), decided(backend="ring")], "2 inside")),
-    }
-    for what, (ended, left) in cases.items():
-        verdict = run.judge(ended, left, a_record)
-        assert not verdict.relaunch and verdict.record is None, what
-        assert verdict.code == run.exit_code(ended.returncode), what
-    assert run.NOT_CURABLE in run.judge(*cases["the user's error"], a_record).why
-
-
-def test_a_signal_to_run_a_silent_child_and_a_gone_peer():
-    signalled = run.judge(
-        run.Ended(-15, 3.0, signalled=signal.SIGTERM), launch([decided()]), a_record
-    )
-    assert (signalled.relaunch, signalled.code) == (False, 143)
-    silent = run.judge(
-        run.Ended(-9, 30.0, starved=True), launch([decided()], "8 inside"), no_record
-    )
-    assert silent.relaunch and silent.code == 75 and silent.record.kind == "stall"
-    worker = decided(
-        task="worker:1", place={"kind": stalls.MULTIWORKER_KIND, "key": {}}, read=False
-    )
-    for error, quoted in PEER_ERRORS:
-        peer = run.judge(run.Ended(1, 9.0), launch([worker], "5 inside", error), no_record)
-        assert (peer.relaunch, peer.record) == (True, None)
-        assert peer.why == f"a peer is gone ({quoted}); nothing recorded"
-    alone = run.judge(run.Ended(1, 9.0), launch([decided()], "5 inside", error), no_record)
-    assert alone.record is not None  # one machine: no peer to blame, the all-reduce crashed
-
-
-def test_a_stall_outside_the_allreduce_is_not_relaunched_and_run_says_where():
-    outside = {"where": "input", "outside": True, "recorded": False}
-    verdict = run.judge(run.Ended(75, 700.0), launch([decided()], stalled=[outside]), a_record)
-    assert (verdict.relaunch, verdict.code, verdict.record) == (False, 75, None)
-    assert verdict.why.startswith("training stalled waiting for input data (an iterator's")
-    assert "outside the all-reduce: nothing recorded" in verdict.why
-
-
-def test_a_multiworker_stall_follows_the_verdict_every_worker_drew():
-    worker = decided(task="worker:0", place={"kind": stalls.MULTIWORKER_KIND, "key": {}})
-    line = "worker:2 holds the others back: waiting for input data for 615 s (train.py:40)"
-    held = {"where": "step", "outside": False, "recorded": False, "verdict": "held", "line": line}
-    verdict = run.judge(run.Ended(75, 700.0), launch([worker], stalled=[held]), a_record)
-    assert (verdict.relaunch, verdict.record, verdict.ended) == (False, None, "held back by a peer")
-    assert verdict.why.startswith(line + ": nothing recorded on any worker")
-    aborted = "UnavailableError: Collective ops is aborted by: Socket closed"  # TF ended it
-    verdict = run.judge(
-        run.Ended(1, 700.0), launch([worker], "3 inside", aborted, "", [held]), a_record
-    )
-    assert (verdict.relaunch, verdict.ended) == (False, "held back by a peer")
-    gone = {**held, "verdict": "gone", "line": "worker:1 stopped answering 40 s ago"}
-    verdict = run.judge(run.Ended(75, 700.0), launch([worker], stalled=[gone]), a_record)
-    assert (verdict.relaunch, verdict.record) == (True, None)
-    assert verdict.why == "worker:1 stopped answering 40 s ago: a peer is gone; nothing recorded"
-
-
-#: faulthandler's dump of a SIGABRT in the first step, before any heartbeat (TF 2.21).
-FAULT = """Fatal Python error: Aborted
-
-Thread 0x00007f1 (most recent call first):
-  File "/v/site-packages/tensorflow/python/eager/execute.py", line 53 in quick_execute
-  File "/v/site-packages/tensorflow/python/eager/def_function.py", line 833 in __call__
-  File "/home/me/train.py", line 40 in <module>
-"""
-
-
-def test_a_crash_in_the_first_step_is_told_by_the_fault_dump_before_any_heartbeat():
-    first = run.judge(run.Ended(-6, 3.0), launch([decided()], None, fault=FAULT), no_record)
-    assert first.relaunch and first.record.kind == "crash"
-    assert first.record.where == "/the/trainings/cache"  # the training's cache, not run's
-    python_only = FAULT.replace("/tensorflow/python/", "/mylib/")
-    outside = run.judge(run.Ended(-6, 3.0), launch([decided()], None, fault=python_only), no_record)
-    assert not outside.relaunch and outside.record is None
-
-
-def test_the_users_own_signal_is_named_as_the_reason():
-    for returncode, name in ((-2, "SIGINT"), (130, "SIGINT"), (131, "SIGQUIT"), (-9, "SIGKILL")):
-        verdict = run.judge(run.Ended(returncode, 5.0), launch([decided()], "3 inside"), a_record)
-        assert not verdict.relaunch
-        assert verdict.why == f"the training was ended by {name}, a signal from outside"
-    error = "Traceback (most recent call last):\n  ...\nKeyboardInterrupt"
-    interrupted = run.judge(run.Ended(1, 5.0), launch([decided()], "3 inside", error), a_record)
-    assert interrupted.why == "the training was interrupted (KeyboardInterrupt)"
-    to_run = run.judge(run.Ended(-2, 5.0, signalled=signal.SIGINT), launch([decided()]), a_record)
-    assert (to_run.code, to_run.ended, to_run.why) == (130, "stopped by SIGINT", "your own signal")
-
-
-#: What TF 2.21 raised in the survivor when its peer aborted mid-step (the two-worker test
-#: below): the non-leader gone (the coordination service), the leader gone (the transport).
-PEER_ERRORS = [
-    (
-        "tensorflow.python.framework.errors_impl.UnavailableError: Graph execution error:\n\n"
-        "Detected at node CollectiveReduceV2 defined at (most recent call last):\n"
-        "Collective ops is aborted by: Error reported from /job:worker/task:1: The following "
-        "tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1\n",
-        "Collective ops is aborted by: Error reported from /job:worker/task:1: The following "
-        "tasks are unhealthy (stopped sending heartbeats):",
-    ),
-    (
-        "tensorflow.python.framework.errors_impl.UnavailableError: Graph execution error:\n\n"
-        "Collective ops is aborted by: Socket closed\nAdditional GRPC error information from "
-        "remote target /job:worker/replica:0/task:0 while calling "
-        "/tensorflow.WorkerService/RecvBuf:\n",
-        "Collective ops is aborted by: Socket closed",
-    ),
-    (
-        "UnavailableError: Collective ops is aborted by: task /job:worker/task:0 is down",
-        "UnavailableError: Collective ops is aborted by: task /job:worker/task:0 is down",
-    ),
-]
 
 
 def test_run_exits_2_on_windows_with_one_line(monkeypatch, capsys):
@@ -295,7 +75,7 @@ def test_the_child_leaves_its_decision_heartbeat_and_error_and_a_grandchild_writ
     assert list(left.beats.values()) in ([_rundir.FINISHED], ["7 inside"])
     assert left.error.strip() == "ValueError: the last words"
     assert len(list(launch_dir.glob("heartbeat-*"))) == 1  # the grandchild's 99 went nowhere
-    assert run.NOT_CURABLE in done.stderr and "launches:" in done.stderr
+    assert judge.NOT_CURABLE in done.stderr and "launches:" in done.stderr
 
 
 # --- real relaunches of a real Keras training (TF2, two logical CPUs) ----------------------
@@ -369,15 +149,15 @@ def test_an_abort_in_the_first_step_before_any_heartbeat_is_a_crash(tf2, tmp_pat
     assert done.returncode == 134, done.stderr[-3000:]
     assert "training crashed on hierarchical_copy (killed by SIGABRT) (recorded)" in done.stderr
     assert "the 0 restarts are spent" in done.stderr and backends(done) == []
-    records = stalls.every(str(tmp_path / "cache"))
-    assert [(s.backend, s.kind) for _, _, s in records] == [("hierarchical_copy", "crash")]
+    found = records.every(str(tmp_path / "cache"))
+    assert [(s.backend, s.kind) for _, _, s in found] == [("hierarchical_copy", "crash")]
 
 
 @needs_tf
 def test_the_users_own_error_and_a_death_in_teardown_are_not_relaunched(tf2, tmp_path):
     user = supervised("user", tmp_path)
     assert user.returncode == 1 and "ValueError: the learning rate" in user.stderr
-    assert run.NOT_CURABLE in user.stderr and "launch 2" not in user.stderr
+    assert judge.NOT_CURABLE in user.stderr and "launch 2" not in user.stderr
     teardown = supervised("teardown", tmp_path / "teardown")
     assert teardown.returncode == 134, teardown.stderr[-3000:]
     assert backends(teardown) == ["hierarchical_copy"] and "launch 2" not in teardown.stderr
@@ -422,7 +202,7 @@ def test_an_input_stall_is_reported_never_recorded_and_not_relaunched(tf2, tmp_p
     assert "outside the all-reduce: nothing recorded" in done.stderr and "launch 2" not in (
         done.stderr
     )
-    assert stalls.every(str(tmp_path / "cache")) == []  # no backend demoted, on any launch
+    assert records.every(str(tmp_path / "cache")) == []  # no backend demoted, on any launch
 
 
 # --- two workers, one run each (tests/run_mw_worker.py) ------------------------------------
@@ -699,9 +479,9 @@ WRAPPED = """
 import os, sys
 sys.path.insert(0, {root!r})
 from safestrategy import _rundir
-from safestrategy.checks import stalls
+from safestrategy import records
 cache = os.environ["SAFESTRATEGY_CACHE_DIR"]
-place = stalls.Place(stalls.KIND, {{"machine": "m", "devices": ["/cpu:0", "/cpu:1"]}}, True)
+place = records.Place(records.KIND, {{"machine": "m", "devices": ["/cpu:0", "/cpu:1"]}}, True)
 first = os.environ["SAFESTRATEGY_RESTART"] == "0"
 backend = "hierarchical_copy" if first else "reduce_to_cpu"
 _rundir.decision({{"backend": backend, "devices": ["/cpu:0", "/cpu:1"], "mode": "list",
@@ -710,7 +490,7 @@ _rundir.decision({{"backend": backend, "devices": ["/cpu:0", "/cpu:1"], "mode": 
 _rundir.heartbeat(1, inside=True)
 print("TRAINING", backend, os.getppid() != int(os.environ["RUN_PID"]), flush=True)
 if first and sys.argv[1] == "stall":
-    stalls.record(place, backend, 5.0, {{}})
+    records.record(place, backend, 5.0, {{}})
     os._exit(75)
 if first:
     os.abort()
@@ -755,7 +535,7 @@ def test_a_training_behind_a_wrapper_is_judged_and_relaunched(tmp_path, wrapper,
     assert f"launch 2 of 4: training {ended}" in done.stderr
     if mode == "crash":  # run wrote the record where the training reads, whatever its cache
         cache = own if wrapper == "env" else tmp_path / "cache"
-        assert [s.backend for _, _, s in stalls.every(str(cache))] == ["hierarchical_copy"]
+        assert [s.backend for _, _, s in records.every(str(cache))] == ["hierarchical_copy"]
 
 
 #: A training that says it finished (the heartbeat's atexit) and then hangs at exit, as a

@@ -244,12 +244,12 @@ def test_a_candidate_that_passed_but_was_not_timed_is_named_and_not_cached(fake,
 def test_a_relaunch_after_a_record_takes_the_next_by_cached_timings_timing_nothing(tf, monkeypatch):
     """A relaunch is a warm start: the cached winner has a record now (it stalled or
     crashed), so the next candidate by the cached timings that passes its check wins."""
-    from safestrategy.checks import stalls
+    from safestrategy import records
 
     first = safestrategy.probe(cpus(2))
     timed = sorted((c.ms, c.name) for c in first.candidates if c.ms is not None)
     assert len(timed) >= 2 and first.backend in {name for _, name in timed}
-    stalls.record(stalls.on_machine(tf, first.devices), first.backend, 601.0, {})
+    records.record(records.on_machine(tf, first.devices), first.backend, 601.0, {})
     refuse_timing(monkeypatch)
     again = safestrategy.probe(cpus(2))
     expected = next(name for _, name in timed if name != first.backend)

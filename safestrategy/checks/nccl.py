@@ -14,7 +14,7 @@ in a probe process, and only when it can possibly work:
    process. Each attempt costs at most one timeout.
 
 :func:`with_remedies` is that retry loop, and the only one: NCCL's check, a
-``collective`` on NCCL, a stalled NCCL's retries (:mod:`safestrategy.checks.stalls`)
+``collective`` on NCCL, a stalled NCCL's retries (:func:`after_record`)
 and the multi-worker check all go through it.
 
 Verdicts from a probe process that ran the check (pass, fail, timeout, crash)
@@ -27,16 +27,15 @@ import platform
 import sys
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from .. import _cache, _env, _machine, _tf
+from .. import _cache, _env, _machine, _tf, records
 from .._devices import Device
+from .._env import REMEDIES, untried, user_remedies
 from ..backends import NCCL
 from ..report import FAILED, OK, TIMEOUT, CandidateResult, refresh_command
 from . import probe
 
 logger = logging.getLogger("safestrategy")
 
-#: NCCL's troubleshooting fixes, in the order they are tried.
-REMEDIES: Tuple[Tuple[str, str], ...] = (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))
 
 NO_KERNELS = (
     "this TensorFlow has no NCCL kernels (0 registered), so NcclAllReduce fails with "
@@ -156,14 +155,6 @@ def _remediable(attempt: _Attempt) -> bool:
     )
 
 
-def user_remedies() -> Dict[str, str]:
-    """The remedy variables the user set, with the user's values: never overridden, and
-    their remedies never tried (one set by safestrategy for another device set is not
-    the user's)."""
-    user = _env.user_environ()
-    return {name: user[name] for name, _ in REMEDIES if name in user}
-
-
 def after_remedies(
     first: CandidateResult,
     later: Sequence[Tuple[Mapping[str, str], CandidateResult]],
@@ -200,15 +191,6 @@ def after_remedies(
 
 def _setting(env: Mapping[str, str]) -> str:
     return ", ".join(f"{name}={value}" for name, value in env.items())
-
-
-def untried(after: Mapping[str, str], taken: Mapping[str, str]) -> List[Dict[str, str]]:
-    """NCCL's remedies not tried yet, in order: those after the one ``after`` names (``{}``:
-    from the first), without any whose variable is ``taken`` (the user's own: name -> value)."""
-    names = [name for name, _ in REMEDIES]
-    tried = [names.index(name) for name in after if name in names]
-    start = max(tried) + 1 if tried else 0
-    return [{name: value} for name, value in REMEDIES[start:] if name not in taken]
 
 
 def with_remedies(
@@ -314,3 +296,31 @@ def apply_remedy(remedy: Mapping[str, str], devices: Sequence[Any]) -> None:
             name,
             value,
         )
+
+
+def after_record(
+    tf: Any, devices: Sequence[Any], opts: Options, demotion: records.Demotion
+) -> CandidateResult:
+    """A backend with a record of trouble during training: what the records say
+    (:meth:`safestrategy.records.Standing.demotion`), with NCCL's untried remedies tried
+    first, each in a fresh probe process, through the one remedy loop. Those retries are
+    verdicts: cached under NCCL's verdict key and the record (kind
+    :data:`~safestrategy.records.RETRY_KIND`), so a stalled NCCL costs them once, not at
+    every launch."""
+    stall, failed = demotion.stall, demotion.failed
+    if demotion.retries is None:
+        return failed
+    where = records.directory(opts.cache)
+    key = {**cache_key(tf, devices, opts), "stall": stall.to_dict()} if where else {}
+    kind = records.RETRY_KIND
+    cached = read_verdict(where, kind, key) if where and not opts.refresh else None
+    if cached is not None:
+        return cached
+    result = with_remedies(
+        failed,
+        demotion.retries,
+        lambda remedy: attempt(devices, opts.timeout, remedy, stall.backend),
+    )
+    if where is not None:
+        _cache.write(where, kind, key, result.to_dict())
+    return result

@@ -4,7 +4,8 @@ What may hang (NCCL, a ``collective`` on NCCL) runs in a probe process: NCCL's
 verdicts through :mod:`safestrategy.checks.nccl`, the rest of what must run
 there (TF 1.x sessions on GPU sets, the timing of what may hang) in one shared
 probe process (:class:`~safestrategy.checks.probe.Shared`). A backend with a
-stall record gets its record's verdict (:mod:`safestrategy.checks.stalls`).
+record of trouble during training gets what the records say of it
+(:mod:`safestrategy.records`), NCCL's untried remedies first.
 Everything else runs here, in the caller's process (in a helper thread,
 outside the caller's strategy scope, in the caller's execution mode), on the
 caller's own devices.
@@ -19,7 +20,7 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .. import _cache, _env, _tf, choose
+from .. import _cache, _env, _tf, choose, records
 from .._devices import Device, cpu_count
 from .._env import Setting
 from ..backends import (
@@ -32,8 +33,8 @@ from ..backends import (
     unavailable,
 )
 from ..choose import Decision
-from ..report import FAILED, OK, CandidateResult, Stall
-from . import allreduce, nccl, probe, stalls, timing
+from ..report import FAILED, OK, CandidateResult
+from . import allreduce, nccl, probe, timing
 
 logger = logging.getLogger("safestrategy")
 
@@ -153,15 +154,15 @@ class Runner:
         opts: nccl.Options,
         payload_mb: float,
         graph: Optional[Any],
-        mode: str = "auto",
-        recorded: Tuple[Stall, ...] = (),
+        standing: Optional[records.Standing] = None,
     ) -> None:
         """``graph``: the caller's :func:`~safestrategy.checks.allreduce.graph_api` (None:
         eager), asked in the caller's thread: the checks run in threads of their own.
-        ``mode``: the setting's; ``recorded``: the backends that stalled in an earlier
-        training here (they fail, unless forced: the watchdog)."""
+        ``standing``: what the records of trouble during training say for these devices
+        (read once by the factory; a forced setting's are reported, not obeyed)."""
         self.tf, self.devices, self.opts, self.payload_mb = tf, devices, opts, payload_mb
-        self.stalled = {s.backend: s for s in recorded} if mode != "forced" else {}
+        self.standing = standing or records.Standing((), None)
+        self.stalled = self.standing.obeyed
         self.collective = collective_live(tf, devices)
         self.era = _tf.era(tf.__version__)
         self.names = [str(device) for device in devices]
@@ -204,12 +205,12 @@ class Runner:
         result = self._unrecorded(name)
         if result.status == OK:
             self.remedies[name] = result.remedy
-        return stalls.anyway(result, self.stalled[name])
+        return records.anyway(result, self.stalled[name])
 
     def _check(self, name: str) -> CandidateResult:
-        if name in self.stalled:
-            stall = self.stalled[name]
-            return stalls.verdict(self.tf, stall, self.devices, self.opts, self._may_hang(name))
+        demotion = self.standing.demotion(name, self._may_hang(name), self.opts.remedies)
+        if demotion is not None:
+            return nccl.after_record(self.tf, self.devices, self.opts, demotion)
         return self._unrecorded(name)
 
     def _unrecorded(self, name: str) -> CandidateResult:

@@ -11,11 +11,11 @@ the network: each path is tested from hand-built inputs.
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from .. import choose
-from .._env import ENV_COMMUNICATION, Setting
+from .. import choose, records
+from .._env import ENV_COMMUNICATION, REMEDIES, Setting, untried
 from ..backends import NCCL, NO_GPU, RING
 from ..checks.allreduce import from_reply, wrong_sums
-from ..checks.nccl import NO_KERNELS, REMEDIES, untried
+from ..checks.nccl import NO_KERNELS
 from ..report import FAILED, NOT_TRIED, OK, SKIPPED, TIMEOUT, CandidateResult
 
 RING_REASON = (
@@ -31,10 +31,6 @@ def shown(result: CandidateResult) -> CandidateResult:
         return result._replace(status=NOT_TRIED)
     return result
 
-
-#: The communications a record fails: RING, the last resort, is never failed by one (a
-#: record against it is reported, not obeyed).
-READ = (NCCL,)
 
 #: Facts each worker sends in the first round (its "hello").
 Hello = Mapping[str, Any]
@@ -74,13 +70,14 @@ def gate(setting: Setting, hellos: Mapping[str, Hello]) -> Optional[CandidateRes
 
 
 def recorded(hellos: Mapping[str, Hello]) -> Dict[str, str]:
-    """The communications some worker has a record of trouble for (only those in
-    :data:`READ`), and what it says: the choice every worker makes avoids them together."""
+    """The communications some worker has a record of trouble for (only those a record
+    fails: :data:`safestrategy.records.READ`), and what it says: the choice every worker
+    makes avoids them together."""
     found: Dict[str, str] = {}
     for task, hello in sorted(hellos.items()):
         for record in hello.get("records") or ():
             name = record.get("backend")
-            if name in READ and name not in found:
+            if name in records.READ and name not in found:
                 remedy = _remedy(record)
                 made = "".join(f" with {var}={value}" for var, value in remedy.items())
                 found[name] = f"{task} recorded it: {record.get('happened')}{made}"

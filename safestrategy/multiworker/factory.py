@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from .. import _env, _machine, _peers, _rundir, _tf, _watchdog, choose
+from .. import _env, _machine, _rundir, _tf, choose, records
 from .._env import (
     ENV_NCCL_REMEDIES,
     Setting,
@@ -33,7 +33,7 @@ from .._env import (
     resolve_timeout,
 )
 from ..backends import NCCL, RING, build_multiworker_strategy, check_kwargs
-from ..checks import nccl, probe, stalls
+from ..checks import nccl, probe
 from ..report import (
     FAILED,
     OK,
@@ -43,6 +43,8 @@ from ..report import (
     Report,
     set_last_report,
 )
+from ..training import hooks, watchdog
+from ..training.board import Board
 from . import agree, cluster
 from .cluster import Cluster
 from .rendezvous import MissingWorkersError, Rendezvous
@@ -127,19 +129,6 @@ def _free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
-def records(tf: Any, workers: Cluster) -> List[Dict[str, str]]:
-    """This worker's records of trouble during multi-worker training on this cluster, as
-    its hello carries them: what each communication's record says happened, and the NCCL
-    remedy it happened under (so that every worker moves on to the next one together)."""
-    place = stalls.on_worker(tf, [str(address) for address in workers.workers], workers.task)
-    found = [(name, stalls.read(place, name)) for name in agree.READ] if place else []
-    return [
-        {"backend": name, "happened": stall.happened(), "remedy": dict(stall.remedy)}
-        for name, stall in found
-        if stall
-    ]
-
-
 def _hello_parts(request: Request) -> List[Tuple[str, float]]:
     """What the hello's wait for the peers is made of, each named as a user sets it: the
     probe timeout; under ``run`` after a relaunch also a peer's stall timeout and
@@ -180,7 +169,7 @@ def _hello(request: Request, facts: Mapping[str, Any]) -> Dict[str, Any]:
         "gpus": facts.get("gpus"),
         "nccl_kernels": facts.get("nccl_kernels"),
         "tf_version": facts.get("tf_version"),
-        "user_nccl": list(nccl.user_remedies()),
+        "user_nccl": list(_env.user_remedies()),
         "remedies": request.remedies,
         "probe_port": _free_port(request.cluster.me.host),
     }
@@ -271,7 +260,8 @@ def decide(
     """
     if facts is None:
         tf = _tf.import_tf()
-        facts = {**local_facts(tf), "records": records(tf, request.cluster)}
+        addresses = [str(address) for address in request.cluster.workers]
+        facts = {**local_facts(tf), "records": records.carried(tf, addresses, request.cluster.task)}
     workers, setting = request.cluster, request.setting
     with _lock:
         session = _sessions.get(workers.task, 0) + 1
@@ -374,7 +364,7 @@ def imported_keras_version() -> Optional[str]:
 _unseen_said = False
 
 
-def _board(tf: Any, cluster: Cluster) -> Optional[_peers.Board]:
+def _board(tf: Any, cluster: Cluster) -> Optional[Board]:
     """Where this worker's watchdog tells its peers where it is: TensorFlow's coordination
     service, up once the strategy is built. Where it cannot be used, said once (INFO): a
     stall's ERROR then names this worker only."""
@@ -382,7 +372,7 @@ def _board(tf: Any, cluster: Cluster) -> Optional[_peers.Board]:
     kv, why = _tf.coordination_kv(tf)
     if kv is not None:
         workers = [address.task for address in cluster.workers]
-        return _peers.Board(kv, [str(a) for a in cluster.workers], workers, cluster.task)
+        return Board(kv, [str(a) for a in cluster.workers], workers, cluster.task)
     with _lock:
         said, _unseen_said = _unseen_said, True
     if not said:
@@ -467,13 +457,13 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     _warn_keras3(tf.__version__)
     set_last_report(report)
     addresses = [str(address) for address in req.cluster.workers]
-    place = stalls.on_worker(tf, addresses, req.cluster.task, report.backend in agree.READ)
+    place = records.on_worker(tf, addresses, req.cluster.task, report.backend in records.READ)
     board = _board(tf, req.cluster)
-    _watchdog.watch(stall_settings, report, strategy, place, board)
+    watchdog.watch(stall_settings, report, strategy, place, board)
     if board is not None:
-        _watchdog.report_lost_peers()
-    _rundir.decision(stalls.decision_entry(report, place, stall_settings.timeout))
+        hooks.report_lost_peers()
+    _rundir.decision(records.decision_entry(report, place, stall_settings.timeout))
     timeout = getattr(kwargs.get("communication_options"), "timeout_seconds", None)
     if timeout:
-        _watchdog.report_collective_timeouts(timeout, report, strategy, place)
+        hooks.report_collective_timeouts(timeout, report, strategy, place)
     return strategy

@@ -1,15 +1,18 @@
-"""Records of trouble during training: a backend that stalled is remembered for the next launch.
+"""What the records say: trouble during training, remembered for the next decision.
 
-The watchdog (:mod:`safestrategy._watchdog`) writes a record when a call stalls
-and withdraws it when the call finishes after all; a record that stays (the
-process was ended while stuck) makes the next ``auto`` or listed decision for
-this machine and device set treat that backend as failed. For NCCL (and a
-``collective`` on NCCL), the remedy not tried yet comes first
-(:func:`verdict`), and those retries are verdicts like any other: cached. No
-record leaves a machine without a backend: when every candidate that passes
-has one, the chooser checks them with the record set aside and takes the last
-in the order (:func:`anyway`, :func:`warn`). :func:`next_step` says in words
-what a next decision does with a record (``run``'s relaunch line).
+The one place that answers it, for one machine and multi-worker alike: records
+are written (the watchdog when a call stalls, ``run`` for a crash or a silent
+training), withdrawn (the call finished after all), read, listed and forgotten
+here, and what they mean for the next decision is decided here and handed back
+as data: a backend with a record counts as failed (:func:`demotion`), except that
+NCCL's untried remedies come first (the remedy loop itself runs in
+:mod:`safestrategy.checks.nccl`); a stall outside the all-reduce, or one a peer
+caused, is never recorded (:func:`recordable`); no record leaves a machine
+without a backend: when every candidate that passes has one, the last of them
+in the order is taken anyway (:func:`set_aside`, :func:`anyway`, :func:`warn`);
+RING, the multi-worker last resort, is never failed by a record (:data:`READ`).
+:func:`next_step` says in words what a next decision does with a record
+(``run``'s relaunch line).
 
 Records live in the verdict cache (:mod:`safestrategy._cache`) in two key
 spaces (a :class:`Place`): one machine's (kind ``stall``: the machine, the
@@ -24,10 +27,10 @@ import datetime
 import logging
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from .. import _cache, _env, _machine, _tf
-from ..backends import COLLECTIVE, NCCL, RING
-from ..report import FAILED, OK, CandidateResult, Report, Stall
-from . import nccl
+from . import _cache, _env, _machine, _tf
+from ._env import untried, user_remedies
+from .backends import COLLECTIVE, NCCL, RING
+from .report import FAILED, OK, SKIPPED, CandidateResult, Report, Stall, refresh_command
 
 logger = logging.getLogger("safestrategy")
 
@@ -35,8 +38,11 @@ logger = logging.getLogger("safestrategy")
 KIND = "stall"
 MULTIWORKER_KIND = "mwstall"
 KINDS = (KIND, MULTIWORKER_KIND)
-#: NCCL's remedy retries after a stall, cached like verdicts.
+#: NCCL's remedy retries after a stall, cached like verdicts (by :mod:`safestrategy.checks.nccl`).
 RETRY_KIND = "stallretry"
+#: The multi-worker communications a record fails: RING, the last resort, is never failed by
+#: one (a record against it is reported, not obeyed).
+READ = (NCCL,)
 
 
 def _key(tf: Any, devices: Sequence[str], backend: Optional[str]) -> Dict[str, Any]:
@@ -68,9 +74,8 @@ def on_machine(tf: Any, devices: Sequence[str]) -> Place:
 def place_for(tf: Any, report: Report, cache: bool = True) -> Optional[Place]:
     """Where a stall of ``report``'s strategy is recorded on one machine; None where no
     next decision would read a record: the cache off, one device, a forced backend."""
-    if directory(cache) is None or len(report.devices) < 2 or report.mode == "forced":
-        return None
-    return on_machine(tf, report.devices)
+    place = on_machine(tf, report.devices) if directory(cache) is not None else None
+    return Standing((), place).place_for(report)
 
 
 def decision_entry(
@@ -136,7 +141,7 @@ def _next_remedies(remedy: Mapping[str, str]) -> List[Dict[str, str]]:
         allowed = _env.resolve_switch(_env.ENV_NCCL_REMEDIES)
     except ValueError:
         allowed = False
-    return nccl.untried(remedy, nccl.user_remedies()) if allowed else []
+    return untried(remedy, user_remedies()) if allowed else []
 
 
 def next_step(
@@ -152,7 +157,7 @@ def next_step(
     Multi-worker: every worker together, the untried remedies, then RING, which no record
     fails."""
     if not isinstance(remedies, list):
-        remedies = nccl.untried(remedy, {}) if backend == NCCL else []
+        remedies = untried(remedy, {}) if backend == NCCL else []
     remedies = [env for env in remedies if isinstance(env, dict)]
     tries = ", then with ".join(
         ", ".join(f"{name}={value}" for name, value in env.items()) for env in remedies
@@ -194,17 +199,26 @@ def on_worker(tf: Any, cluster: Sequence[str], task: str, read: bool = False) ->
     return Place(MULTIWORKER_KIND, {**key, "backend": None}, read)
 
 
+def carried(tf: Any, cluster: Sequence[str], task: str) -> List[Dict[str, Any]]:
+    """This worker's records of trouble during multi-worker training on ``cluster``, as its
+    hello carries them: what each communication's record says happened, and the NCCL
+    remedy it happened under (so that every worker moves on to the next one together).
+    Only the communications a record fails (:data:`READ`)."""
+    place = on_worker(tf, cluster, task)
+    found = [(name, read(place, name)) for name in READ] if place else []
+    return [
+        {"backend": name, "happened": stall.happened(), "remedy": dict(stall.remedy)}
+        for name, stall in found
+        if stall
+    ]
+
+
 def directory(cache: bool = True) -> Optional[str]:
     """Where records live; None when the cache is off (or its setting is unreadable)."""
     try:
         return _env.cache_dir() if cache and _env.resolve_switch(_env.ENV_CACHE) else None
     except ValueError:
         return None
-
-
-def refresh_command(devices: Sequence[str]) -> str:
-    """The exact command that forgets the stalls recorded for ``devices``."""
-    return nccl.refresh_command(devices)
 
 
 def _now() -> str:
@@ -293,36 +307,81 @@ def recorded(
     return tuple(stalls)
 
 
+class Demotion(NamedTuple):
+    """What a record means for its backend in the next decision: ``failed``, unless one of
+    ``retries`` (NCCL's untried remedies, in order) passes first; ``retries`` None: none is
+    tried (not NCCL, or ``SAFESTRATEGY_NCCL_REMEDIES=off``)."""
+
+    stall: Stall
+    failed: CandidateResult
+    retries: Optional[List[Dict[str, str]]]
+
+
+class Standing(NamedTuple):
+    """What the records say for one decision on one machine's device set: read once, then
+    asked (pure) for each candidate, for the last resort, and for where a stall of the
+    strategy it builds is recorded."""
+
+    stalls: Tuple[Stall, ...]
+    place: Optional[Place]  #: these devices' place (None: the cache is off)
+    forced: bool = False  #: a forced setting: records are reported, not obeyed
+
+    @property
+    def obeyed(self) -> Dict[str, Stall]:
+        """The records a decision obeys, by backend (none for a forced setting)."""
+        return {} if self.forced else {stall.backend: stall for stall in self.stalls}
+
+    def demotion(self, name: str, on_nccl: bool, remedies: bool) -> Optional[Demotion]:
+        """What ``name``'s record means for the decision (None: it has none). ``on_nccl``:
+        it all-reduces with NCCL (``nccl``, a ``collective`` on NCCL), whose untried remedies
+        come first (``remedies``: ``SAFESTRATEGY_NCCL_REMEDIES`` allows them)."""
+        stall = self.obeyed.get(name)
+        if stall is None or self.place is None:
+            return None
+        devices = self.place.devices
+        failed = CandidateResult(name, FAILED, reason(stall, devices), 0.0, cached=True)
+        retries = untried(stall.remedy, user_remedies()) if on_nccl and remedies else None
+        return Demotion(stall, failed, retries)
+
+    def place_for(self, report: Report) -> Optional[Place]:
+        """Where a stall of ``report``'s strategy is recorded: only where a next decision
+        reads it (not one device, not a forced backend, not with the cache off)."""
+        if self.place is None or len(report.devices) < 2 or report.mode == "forced":
+            return None
+        return self.place
+
+
+def standing(
+    tf: Any, devices: Sequence[str], cache: bool = True, refresh: bool = False, forced: bool = False
+) -> Standing:
+    """The records for this machine and device set, read once for a decision (``refresh``:
+    forgotten instead); ``forced``: the setting forces a backend, whose records are then
+    reported but not obeyed."""
+    place = on_machine(tf, devices) if directory(cache) is not None else None
+    return Standing(recorded(tf, devices, cache, refresh), place, forced)
+
+
 def reason(stall: Stall, devices: Sequence[str]) -> str:
     """Why a backend with a stall record counts as failed, and how to re-allow it."""
     return f"{stall.happened()} (`{refresh_command(devices)}` re-allows it)"
 
 
-def verdict(
-    tf: Any, stall: Stall, devices: Sequence[Any], opts: nccl.Options, on_nccl: bool
-) -> CandidateResult:
-    """A stalled backend's result: failed, except that a backend all-reducing with NCCL
-    (``on_nccl``: ``nccl``, a ``collective`` on NCCL) first gets the remedies not tried
-    yet, each in a fresh probe process, through the one remedy loop. Those retries are
-    verdicts: cached under NCCL's verdict key and the record (kind :data:`RETRY_KIND`),
-    so a stalled NCCL costs them once, not at every launch."""
-    names = [str(device) for device in devices]
-    failed = CandidateResult(stall.backend, FAILED, reason(stall, names), 0.0, cached=True)
-    if not on_nccl or not opts.remedies:
-        return failed
-    where = directory(opts.cache)
-    key = {**nccl.cache_key(tf, devices, opts), "stall": stall.to_dict()} if where else {}
-    cached = nccl.read_verdict(where, RETRY_KIND, key) if where and not opts.refresh else None
-    if cached is not None:
-        return cached
-    result = nccl.with_remedies(
-        failed,
-        nccl.untried(stall.remedy, nccl.user_remedies()),
-        lambda remedy: nccl.attempt(devices, opts.timeout, remedy, stall.backend),
-    )
-    if where is not None:
-        _cache.write(where, RETRY_KIND, key, result.to_dict())
-    return result
+def set_aside(results: Sequence[CandidateResult], recorded: Sequence[str]) -> List[str]:
+    """No record leaves a machine without a backend: when nothing passed, the candidates to
+    check again with their record set aside (``recorded``: the backends with one), the
+    last in the order first; the first of them that passes is used."""
+    return [
+        result.name
+        for result in reversed(results)
+        if result.name in recorded and result.status not in (SKIPPED, OK)
+    ]
+
+
+def recordable(place: Optional[Place], outside: bool, peer: bool = False) -> Optional[Place]:
+    """Where a stall is recorded: ``place``, unless it is no backend's doing: a stall outside
+    the all-reduce (``outside``: input, an eager op no strategy runs) or one a peer caused
+    (``peer``: a worker held the others back, or stopped answering) is never recorded."""
+    return None if outside or peer else place
 
 
 def anyway(result: CandidateResult, stall: Stall) -> CandidateResult:

@@ -1,0 +1,289 @@
+"""The stall watchdog: a training that stops making progress is noticed and explained.
+
+One daemon thread per process samples Python's own view of every thread
+(``sys._current_frames()``) every few seconds and asks
+:mod:`~safestrategy.training.sampler` which TensorFlow call each is in and for
+how long. Nothing wraps TensorFlow's calls, so a training step costs exactly
+what it cost before; the price is one walk over the threads' stacks per sample.
+On a stall it tells (the ERROR, in :mod:`~safestrategy.training.words`' words;
+the run directory for ``run``), records it where the records say it belongs
+(:mod:`safestrategy.records`), and with ``SAFESTRATEGY_STALL_ACTION=exit`` ends
+the process with :data:`~safestrategy._env.EXIT_STALL`. Multi-worker, each
+sample is also published to the peers (:mod:`~safestrategy.training.publish`)
+and a stall's ERROR carries the verdict every worker draws.
+"""
+
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from .. import _env, _rundir, records
+from ..checks import probe
+from ..report import Report
+from . import peers, publish
+from .board import Board
+from .sampler import (
+    FINISHED,
+    INPUT,
+    OP,
+    Event,
+    Watched,
+    advance,
+    calls,
+    interval,
+    stack_text,
+    stopped_for,
+)
+from .words import message
+
+logger = logging.getLogger("safestrategy")
+
+
+class Strategy(NamedTuple):
+    """A strategy under watch: held weakly (a strategy that is gone is not watched), with
+    its report and where its record goes (None: no record is written for it)."""
+
+    ref: Callable[[], Any]
+    report: Report
+    place: Optional[records.Place]
+
+    @property
+    def same(self) -> Tuple[str, Tuple[str, ...], Optional[str]]:
+        """Strategies with the same backend and devices count as one (a re-run cell)."""
+        return self.report.backend, self.report.devices, self.report.task
+
+
+_lock = threading.Lock()
+_thread: Optional[threading.Thread] = None
+_settings: Optional[_env.StallSettings] = None
+_watched: List[Strategy] = []
+#: The record each stalled call wrote (by thread), withdrawn if the call finishes.
+_written: Dict[int, Strategy] = {}
+#: Multi-worker: where this worker says it is, to its peers (None: one machine).
+_board: Optional[Board] = None
+
+
+def held(strategy: Any) -> Callable[[], Any]:
+    """A weak reference to ``strategy`` (a stand-in that cannot have one: itself)."""
+    try:
+        return weakref.ref(strategy)
+    except TypeError:  # not weakly referenceable (a test's stand-in): held as it is
+        return lambda: strategy
+
+
+def watch(
+    settings: _env.StallSettings,
+    report: Report,
+    strategy: Any = None,
+    place: Optional[records.Place] = None,
+    board: Optional[Board] = None,
+) -> None:
+    """Watch this process for ``strategy`` (the factories call this): the thread starts
+    once; the latest settings apply. ``place``: where a stall of it is recorded (None:
+    nowhere, e.g. a forced backend, one device, the cache off). ``board``: multi-worker,
+    where this worker publishes its whereabouts and reads its peers' (the latest wins)."""
+    global _thread, _settings, _board
+    with _lock:
+        _settings = settings
+        if board is not None:
+            _board = board
+        _watched[:] = [w for w in _watched if w.ref() is not None]
+        _watched.append(Strategy(held(strategy), report, place))
+        if settings.timeout is None or (_thread is not None and _thread.is_alive()):
+            return
+        _thread = threading.Thread(target=_run, name="safestrategy-watchdog", daemon=True)
+        _thread.start()
+
+
+def _distinct() -> List[Strategy]:
+    """The strategies watched and alive, one per backend and devices (the latest)."""
+    with _lock:
+        alive = [w for w in _watched if w.ref() is not None]
+    return list({w.same: w for w in alive}.values())
+
+
+def _owner(frame: Any, watched: Sequence[Strategy]) -> Optional[Strategy]:
+    """The watched strategy whose call ``frame``'s stack runs: a frame of one of its
+    methods (``strategy.run``, ``reduce``, its ``extended``), or of a Keras model's
+    ``fit``/``evaluate``/``predict`` whose ``distribute_strategy`` it is; None: not told."""
+    if len(watched) == 1:
+        return watched[0]
+    return _on_stack(frame, watched)
+
+
+def _on_stack(frame: Any, watched: Sequence[Strategy]) -> Optional[Strategy]:
+    """The watched strategy a frame of the stack ending at ``frame`` runs, or None."""
+    by_id: Dict[int, Strategy] = {}
+    for entry in watched:
+        strategy = entry.ref()
+        if strategy is None:  # gone: no frame runs it (and None is every frame's "no self")
+            continue
+        by_id[id(strategy)] = entry
+        with contextlib.suppress(Exception):
+            by_id[id(strategy.extended)] = entry
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        found = by_id.get(id(owner)) if owner is not None else None
+        if found is None and getattr(type(owner), "distribute_strategy", None) is not None:
+            with contextlib.suppress(Exception):
+                found = by_id.get(id(owner.distribute_strategy))
+        if found is not None:
+            return {w.same: w for w in watched}.get(found.same, found)
+        frame = frame.f_back
+    return None
+
+
+def outside_allreduce(kind: str, frame: Any, watched: Sequence[Strategy]) -> bool:
+    """Whether a stalled call of ``kind`` is outside every strategy's all-reduce, so that
+    no other backend can cure it: an iterator's ``get_next`` outside a step, or an eager op
+    that no strategy's call (``strategy.run``, Keras ``fit``) is running."""
+    if kind == INPUT:
+        return True
+    return kind == OP and (frame is None or _on_stack(frame, watched) is None)
+
+
+def _run() -> None:
+    me = threading.get_ident()
+    state: Dict[int, Watched] = {}
+    for sample in itertools.count(1):
+        settings = _settings
+        if settings is None or settings.timeout is None:
+            return  # turned off; watch() starts a new thread when it is turned on
+        pause = interval(settings.timeout)
+        before = time.monotonic()
+        time.sleep(pause)
+        now = time.monotonic()
+        frames = sys._current_frames()
+        frames.pop(me, None)
+        seen = calls(frames)
+        _rundir.heartbeat(sample, inside=bool(seen))  # under `run` only: it judges silence
+        stopped = stopped_for(now - before, pause)
+        state, events = advance(state, seen, now, settings.timeout, stopped)
+        board = _board
+        if board is not None:  # before any stall is handled: the peers hear it as it fires
+            try:
+                publish.publish(board, sample, seen, frames, now, stopped, settings)
+            except Exception:  # peers are an explanation, never a reason to stop watching
+                logger.debug("stall watchdog: publishing to the peers failed", exc_info=True)
+        for event in events:
+            try:
+                _handle(event, frames.get(event.thread), settings)
+            except Exception:  # the watchdog must never be what breaks a training
+                logger.debug("stall watchdog: handling %s failed", event, exc_info=True)
+        del seen, frames
+
+
+def current_board() -> Optional[Board]:
+    """Where this worker tells its peers where it is (None: one machine, or no service)."""
+    return _board
+
+
+def stall_timeout() -> float:
+    """The stall timeout in force (25 s where none is: the watchdog is off)."""
+    settings = _settings
+    return settings.timeout if settings is not None and settings.timeout else 25.0
+
+
+def _thread_name(ident: int) -> str:
+    return next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+
+
+def nccl_variables() -> Dict[str, str]:
+    """The ``NCCL_*`` variables in force, for the ERROR."""
+    return {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
+
+
+def stalled(text: str, culprit: Optional[Strategy], seconds: float, cause: str = "") -> None:
+    """Log a stall's ERROR and record it where ``culprit``'s records go (if anywhere), with
+    its ``cause`` (a multi-worker verdict)."""
+    logger.error(text)
+    if culprit is not None and culprit.place is not None:
+        report = culprit.report
+        chosen = next((c for c in report.candidates if c.name == report.backend), None)
+        remedy = chosen.remedy if chosen is not None else {}
+        records.record(culprit.place, report.backend, seconds, remedy, cause=cause)
+
+
+def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
+    if event.what == FINISHED:
+        written = _written.pop(event.thread, None)
+        logger.info(
+            "the TensorFlow call on thread %r that stalled finished after all, after about "
+            "%.0f s: a slow call, not a hang%s",
+            _thread_name(event.thread),
+            event.seconds,
+            "; the stall record is withdrawn" if written is not None else "",
+        )
+        if written is not None and written.place is not None:
+            records.withdraw(written.place, written.report.backend)
+        return
+    watched = _distinct()
+    culprit = _owner(frame, watched)
+    outside = outside_allreduce(event.watched.kind, frame, watched)
+    board, drawn = _board, None
+    if board is not None and culprit is not None and culprit.report.task is not None:
+        verdict = board.verdict(interval(settings.timeout), publish.hold(settings.timeout))
+        drawn = verdict, peers.table(board.me, board.heard())
+    if culprit is not None:  # records only what is the all-reduce's doing
+        peer = drawn is not None and drawn[0].kind in (peers.HELD, peers.GONE)
+        culprit = culprit._replace(place=records.recordable(culprit.place, outside, peer))
+    stack = stack_text(frame, event.watched.call) if frame is not None else "  (gone)"
+    thread = _thread_name(event.thread)
+    text = message(
+        event.seconds,
+        event.watched.kind,
+        thread,
+        stack,
+        culprit.report if culprit is not None else None,
+        nccl_variables(),
+        settings,
+        culprit.place if culprit is not None else None,
+        [w.report for w in watched] if culprit is None else (),
+        outside,
+        drawn,
+    )
+    if drawn is not None and board is not None:  # the last beat says it, for the peers
+        publish.last_word(board, drawn[0], settings.timeout, wait=settings.action == "exit")
+    cause = drawn[0].line if drawn is not None and drawn[0].kind == peers.STUCK else ""
+    stalled(text, culprit, event.seconds, cause)
+    recorded = culprit is not None and culprit.place is not None
+    if recorded:
+        _written[event.thread] = culprit
+    tell_run(event.watched.kind, outside, recorded, drawn[0] if drawn is not None else None)
+    if settings.action == "exit":
+        _exit()
+
+
+def tell_run(where: str, outside: bool, recorded: bool, verdict: Optional[peers.Verdict]) -> None:
+    """The run directory's ``stall-<pid>.json``: where the stall was, whether it was
+    recorded, and the workers' verdict (``run`` judges the launch by it)."""
+    said: Dict[str, Any] = {"where": where, "outside": outside, "recorded": recorded}
+    if verdict is not None:
+        said.update(verdict=verdict.kind, culprit=verdict.task, line=verdict.line)
+    _rundir.stalled(said)
+
+
+def flush_logs() -> None:
+    """Flush the ``safestrategy`` logger's handlers and the standard streams (before an exit)."""
+    chain: Optional[logging.Logger] = logger
+    while chain is not None:
+        for handler in chain.handlers:
+            with contextlib.suppress(Exception):  # a broken handler must not keep us alive
+                handler.flush()
+        chain = chain.parent if chain.propagate else None
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def _exit() -> None:
+    """End the process now: the stuck thread never returns, so no normal exit can."""
+    flush_logs()
+    probe.close_all()
+    os._exit(_env.EXIT_STALL)
