@@ -191,6 +191,11 @@ def _next_key_base() -> int:
         return _KEY_BASE + _KEYS_PER_BUILD * next(_builds)
 
 
+def fresh_group_key() -> int:
+    """A collective group key no strategy uses, ours or the caller's (the canary's)."""
+    return _next_key_base()
+
+
 def build_collective(
     tf: Any, devices: Sequence[str], implementation: str, timeout: Optional[float] = None
 ) -> Any:

@@ -35,6 +35,7 @@ LAYERS = {
     "training": {
         "safestrategy.training",
         "safestrategy.training.board",
+        "safestrategy.training.canary",
         "safestrategy.training.hooks",
         "safestrategy.training.peers",
         "safestrategy.training.publish",

@@ -8,6 +8,7 @@
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -228,3 +229,14 @@ def test_a_check_runs_in_a_thread_of_its_own_and_hands_back_its_exception():
 
     with pytest.raises(KeyError, match="from the check"):
         _allreduce.in_fresh_thread(fail)
+
+
+def test_a_bounded_check_is_abandoned_at_its_bound_and_ticks_while_it_waits():
+    never, ticks = threading.Event(), []
+    started = time.monotonic()
+    with pytest.raises(_allreduce.Abandoned, match=r"no answer in 0\.5 s"):
+        _allreduce.in_fresh_thread(never.wait, 0.5, lambda: ticks.append(1), every=0.1)
+    never.set()
+    assert 0.5 <= time.monotonic() - started < 2.0
+    assert 3 <= len(ticks) <= 5  # a tick each tenth of a second it waited
+    assert _allreduce.in_fresh_thread(lambda: 7, 0.5, ticks.clear, every=0.1) == 7

@@ -193,8 +193,20 @@ def graph_batch_all_reduce(
         return [list(unwrap(reduced)) for reduced in result]
 
 
-def in_fresh_thread(function: Callable[[], T]) -> T:
+class Abandoned(TimeoutError):
+    """A call run by :func:`in_fresh_thread` did not return within its bound: its thread is
+    left behind (a daemon: it never keeps the process alive)."""
+
+
+def in_fresh_thread(
+    function: Callable[[], T],
+    bound: Optional[float] = None,
+    tick: Optional[Callable[[], None]] = None,
+    every: float = 1.0,
+) -> T:
     """``function()`` run in a short-lived thread of its own; its result or its exception.
+    ``bound``: seconds to wait for it at most (:class:`Abandoned` after; None: no bound);
+    ``tick``: called every ``every`` seconds while it runs (a watchdog keeps beating).
 
     TensorFlow keeps the strategy scope, the default graph and ``tf.device``
     per thread, so a fresh thread sees none of the caller's: a check inside
@@ -212,7 +224,16 @@ def in_fresh_thread(function: Callable[[], T]) -> T:
 
     thread = threading.Thread(target=run, name="safestrategy-check", daemon=True)
     thread.start()
-    thread.join()
+    deadline = None if bound is None else time.monotonic() + bound
+    while thread.is_alive():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        thread.join(left if tick is None else every if left is None else min(every, left))
+        if tick is not None and thread.is_alive():
+            tick()
+    if not outcome:
+        raise Abandoned(f"no answer in {bound:g} s")
     ok, result = outcome[0]
     if not ok:
         raise result
