@@ -233,14 +233,15 @@ def record(
     kind: str = "stall",
     cause: str = "",
     where: Optional[str] = None,
+    evidence: str = "",
 ) -> None:
     """Record that ``backend`` stalled for ``seconds`` at ``place`` (with its remedy), or
     (``kind`` "crash") that a launch on it died of ``cause`` after ``seconds``: the same
     entry, the latest record for a backend wins. ``where``: the cache directory (default:
-    this process's; ``run`` gives the training's)."""
+    this process's; ``run`` gives the training's); ``evidence``: what showed it ("canary")."""
     where = where or directory()
     if where is not None:
-        value = Stall(backend, round(seconds, 1), _now(), dict(remedy), kind, cause)
+        value = Stall(backend, round(seconds, 1), _now(), dict(remedy), kind, cause, evidence)
         _cache.write(where, place.kind, {**place.key, "backend": backend}, value.to_dict())
 
 
@@ -377,11 +378,15 @@ def set_aside(results: Sequence[CandidateResult], recorded: Sequence[str]) -> Li
     ]
 
 
-def recordable(place: Optional[Place], outside: bool, peer: bool = False) -> Optional[Place]:
-    """Where a stall is recorded: ``place``, unless it is no backend's doing: a stall outside
-    the all-reduce (``outside``: input, an eager op no strategy runs) or one a peer caused
-    (``peer``: a worker held the others back, or stopped answering) is never recorded."""
-    return None if outside or peer else place
+def recordable(
+    place: Optional[Place], outside: bool, peer: bool = False, convicted: bool = True
+) -> Optional[Place]:
+    """Where a stall is recorded: ``place``, unless it is not shown to be the backend's
+    doing: a stall outside the all-reduce (``outside``: input, an eager op no strategy
+    runs), one a peer caused (``peer``: a worker held the others back, or stopped
+    answering) and one whose all-reduce was not convicted (``convicted`` False: the canary
+    answered right, or none could run) are never recorded."""
+    return None if outside or peer or not convicted else place
 
 
 def anyway(result: CandidateResult, stall: Stall) -> CandidateResult:

@@ -101,6 +101,9 @@ class Stall(NamedTuple):
     #: a crash: what ended it (a signal, the error's first line); a multi-worker stall: the
     #: verdict every worker drew ("every worker is inside the same step: ...")
     cause: str = ""
+    #: what showed the all-reduce stuck: "canary" (0.5.2: a known-sum all-reduce run during
+    #: the stall hung, failed or summed wrong); "" for records of 0.3-0.5.1 and of ``run``
+    evidence: str = ""
 
     def happened(self) -> str:
         """What happened, as reasons say it (without the date's time of day: ``when[:10]``)."""
@@ -117,6 +120,7 @@ class Stall(NamedTuple):
         else:
             what = f"stalled during training on {self.when} after {self.seconds:g} s"
             what += f" ({self.cause})" if self.cause else ""
+            what += "" if self.evidence else " (no canary)"
         return f"  {self.backend:<18} {what}{remedy}"
 
     def to_dict(self) -> Dict[str, Any]:

@@ -4,11 +4,12 @@
 
 A Keras ``fit`` of 3 epochs on two logical CPUs with ``make_mirrored_strategy`` and
 ``BackupAndRestore`` (a relaunch resumes after the last finished epoch); a layer
-calls ``tf.py_function`` so that a step can be made to misbehave. Trouble is
+calls ``tf.py_function`` so that a step can be made to misbehave, and
+the all-reduce can be hung (tests/hung_allreduce.py). Trouble is
 injected on the first launch only (``SAFESTRATEGY_RESTART`` is 0), in epoch 2:
 
-- ``stall``: a step blocks (a hung all-reduce, as far as anyone can tell);
-- ``always-stall``: every launch's step blocks;
+- ``stall``: the all-reduce blocks (the canary through it too: recorded);
+- ``always-stall``: every launch's all-reduce blocks;
 - ``crash``: a step fails with an NCCL error;
 - ``first-step``: the very first step (0.5 s after the factory, before any heartbeat)
   aborts (SIGABRT), as NCCL usually dies;
@@ -19,7 +20,8 @@ injected on the first launch only (``SAFESTRATEGY_RESTART`` is 0), in epoch 2:
 - ``teardown``: training ends, then the process aborts;
 - ``checkpoint``: ``stall``, resumed the way keras-io's multi-GPU guide does it: a
   ``ModelCheckpoint`` each epoch, the latest loaded at start, ``fit(initial_epoch=)``;
-- ``manager``: a custom training loop that stalls at its 5th step on the first launch,
+- ``manager``: a custom training loop (its step all-reduces the model's output) whose
+  all-reduce stalls at its 5th step on the first launch,
   saving a ``tf.train.CheckpointManager`` checkpoint every step and restoring the
   latest at start. Prints ``STEPS <n run>``.
 
@@ -50,6 +52,7 @@ import tensorflow as tf
 
 import safestrategy
 from safestrategy import _tf
+from tests import hung_allreduce
 
 SCENARIO = sys.argv[1]
 FIRST = os.environ.get("SAFESTRATEGY_RESTART") == "0"
@@ -63,6 +66,7 @@ BACKUP = os.environ.get("RUN_SCRIPT_BACKUP") or os.path.join(
 DEVICES = ["/cpu:0", "/cpu:1"]
 _tf.configure_logical_cpus(tf, 2)
 trouble = {"armed": False}
+hang = hung_allreduce.install(tf)
 
 
 def misbehave(x):
@@ -70,7 +74,7 @@ def misbehave(x):
         return x
     trouble["armed"] = False
     if SCENARIO in ("stall", "always-stall", "checkpoint", "manager"):
-        time.sleep(3600)
+        hang.set()  # the all-reduce: the step waits in it from now on
     if SCENARIO == "crash":
         raise RuntimeError("ncclUnhandledCudaError: Call to CUDA function failed (fake)")
     if SCENARIO == "first-step":
@@ -147,7 +151,7 @@ elif SCENARIO == "manager":  # a custom loop with tf.train.CheckpointManager
     @tf.function
     def train_step(batch):
         def replica(batch):
-            return model(batch)
+            return tf.distribute.get_replica_context().all_reduce("sum", model(batch))
 
         return strategy.run(replica, args=(batch,))
 

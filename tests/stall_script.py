@@ -6,21 +6,30 @@ Every scenario trains a small Keras model with ``make_mirrored_strategy`` on two
 logical CPUs; a layer calls ``tf.py_function`` that sleeps as the scenario says.
 ``SAFESTRATEGY_STALL_TIMEOUT`` (T below) comes from the environment.
 
-- ``block``: the 5th step blocks for an hour (a hung all-reduce, as far as anyone
-  can tell); a probe process is left open (the fake one) to show ``exit`` ends it too.
-  The step is compiled before the watchdog is on, so only the 5th step can stall.
+- ``block``: the 5th step's all-reduce blocks for an hour (hung_allreduce: the
+  canary through the same cross-device ops blocks too); a probe process is left open
+  (the fake one) to show ``exit`` ends it too. The step is compiled before the
+  watchdog is on, so only the 5th step can stall.
+- ``pyfunc``: the 5th step blocks for an hour in the layer's ``py_function`` (the
+  user's code: the all-reduce still answers). Compiled first, as ``block``.
+- ``map``: ``fit`` on a ``tf.data`` pipeline whose ``map`` (a ``py_function``, like a
+  read from a dead file system) blocks for an hour from the 3rd step on; a later step
+  waits for it once the prefetched batches are used up.
 - ``slow``: the 5th step takes 2 T, then training goes on.
 - ``never``: a first step that compiles, fast steps, steps of 0.8 T, 3 T idle after ``fit``, then a
   notebook-like loop that pauses 1.5 T between cells: none of it is a stall.
 - ``report``: build the strategy only and print its report as JSON.
 - ``two``: two strategies of different backends (hierarchical_copy first, then
-  reduce_to_cpu); Keras ``fit`` on the first blocks its 5th step.
+  reduce_to_cpu); Keras ``fit`` on the first blocks its 5th step's all-reduce.
 - ``loop``: the same two strategies; a custom loop's traced ``tf.function`` step on
   the first blocks: no strategy shows on the stuck stack.
 - ``input``: a custom loop whose input pipeline (a generator) blocks between steps:
   outside the all-reduce, so no backend is to blame.
 
 Lines starting with ``MARK`` carry ``time.time()`` so the test can time the ERROR.
+
+The one fake is tests/hung_allreduce.py: the all-reduce of ``hierarchical_copy`` and
+``reduce_to_cpu``, hung once ``hang`` is set.
 """
 
 import logging
@@ -37,6 +46,7 @@ import tensorflow as tf
 import safestrategy
 from safestrategy import _tf, records
 from safestrategy.checks import probe as _probe
+from tests import hung_allreduce
 
 SCENARIO = sys.argv[1]
 T = float(os.environ.get("SAFESTRATEGY_STALL_TIMEOUT", "600"))
@@ -59,6 +69,22 @@ def pause(x):
     if seconds:
         time.sleep(seconds)  # the stuck line
     return x
+
+
+hang = hung_allreduce.install(tf)  # the all-reduce, hung once it is set
+
+
+class Hang(tf.keras.callbacks.Callback):
+    """Sets ``event`` (by default ``hang``: the all-reduce blocks) from step ``at`` on."""
+
+    def __init__(self, at, event=hang):
+        super().__init__()
+        self.at, self.event = at, event
+
+    def on_train_batch_begin(self, batch, logs=None):
+        mark(f"step {batch + 1} starts")
+        if batch == self.at:
+            self.event.set()
 
 
 class Sleepy(tf.keras.layers.Layer):
@@ -84,7 +110,7 @@ class Steps(tf.keras.callbacks.Callback):
         mark(f"step {batch + 1} ends")
 
 
-if SCENARIO in ("block", "two", "loop"):  # unwatched until compiled: a loaded machine may
+if SCENARIO in ("block", "pyfunc", "two", "loop"):  # unwatched until compiled: a loaded machine may
     os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = "off"  # compile for > T
 if SCENARIO in ("two", "loop"):
     strategy = safestrategy.make_mirrored_strategy(
@@ -112,12 +138,34 @@ if SCENARIO == "block":
     model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # compiles the step
     os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = f"{T:g}"
     safestrategy.make_mirrored_strategy(DEVICES)  # the same decision; now watched
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Hang(4)])
+elif SCENARIO == "pyfunc":
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # compiles the step
+    os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = f"{T:g}"
+    safestrategy.make_mirrored_strategy(DEVICES)  # the same decision; now watched
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 3600.0})])
+elif SCENARIO == "map":
+    dead = threading.Event()  # the file system dies once the 3rd step starts
+
+    def read(i):
+        if dead.is_set():  # a read that never returns
+            mark("the map blocks")
+            time.sleep(3600)
+        return np.ones(4, np.float32)
+
+    def element(i):
+        features = tf.py_function(read, [i], tf.float32)
+        features.set_shape((4,))
+        return features, tf.ones((1,))
+
+    # Enough batches that the prefetched ones run out: a later step waits for input.
+    data = tf.data.Dataset.range(8 * 400).map(element).batch(8)
+    model.fit(data, epochs=1, verbose=0, callbacks=[Hang(2, dead)])
 elif SCENARIO == "two":
     model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # compiles the step
     os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = f"{T:g}"
     safestrategy.make_mirrored_strategy(DEVICES, backend="reduce_to_cpu,hierarchical_copy")
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Steps({4: 3600.0})])
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Hang(4)])
 elif SCENARIO == "loop":
 
     @tf.function

@@ -234,3 +234,25 @@ PEER_ERRORS = [
         "UnavailableError: Collective ops is aborted by: task /job:worker/task:0 is down",
     ),
 ]
+
+
+def test_a_stall_whose_allreduce_answered_is_not_relaunched_and_run_says_so():
+    """The canary answered (the step is stuck in the program) or none could run: nothing
+    was recorded, and another backend would not help."""
+    for shown, said, because in (
+        ("answered", "the all-reduce answered in 4 ms", "another backend would wait the same"),
+        ("none", "no all-reduce could be run to check it (x)", "would only be a guess"),
+    ):
+        stall = {"where": "step", "outside": False, "recorded": False, "canary": shown}
+        stall["canary_said"] = said
+        verdict = judge.judge(
+            judge.Ended(75, 700.0), launch([decided()], stalled=[stall]), a_record
+        )
+        assert (verdict.relaunch, verdict.code, verdict.record) == (False, 75, None)
+        assert verdict.why.startswith(f"training stalled on nccl, but {said}: nothing recorded")
+        assert because in verdict.why
+    convicted = {"where": "step", "outside": False, "recorded": True, "canary": "hung"}
+    verdict = judge.judge(
+        judge.Ended(75, 700.0), launch([decided()], stalled=[convicted]), a_record
+    )
+    assert verdict.relaunch and "(recorded)" in verdict.why

@@ -9,7 +9,7 @@ import pytest
 
 import safestrategy
 from safestrategy import _env, records
-from safestrategy.training import sampler, watchdog, words
+from safestrategy.training import canary, sampler, watchdog, words
 from safestrategy.training.sampler import (
     INPUT,
     OP,
@@ -82,6 +82,12 @@ def logged(stderr, level):
     return [(float(when), text) for when, text in found]
 
 
+def fired(stderr):
+    """(time, first line) of each stall's first ERROR: logged as it fires, before the
+    canary checks the all-reduce (its full ERROR follows)."""
+    return [(when, text) for when, text in logged(stderr, "ERROR") if "Checking whether" in text]
+
+
 @needs_tf
 def test_a_blocked_step_is_reported_ends_the_process_and_is_remembered(tf2, tmp_path, run_cli):
     pidfile = tmp_path / "probe.pid"
@@ -96,9 +102,14 @@ def test_a_blocked_step_is_reported_ends_the_process_and_is_remembered(tf2, tmp_
     )
     assert run.returncode == 75, run.stderr[-3000:]
     started = float(re.search(r"^MARK (\S+) step 5 starts", run.stderr, re.MULTILINE).group(1))
-    ((when, first),) = logged(run.stderr, "ERROR")
+    ((when, first),) = fired(run.stderr)
     assert when - started <= T + 4  # the timeout, a sample interval, a loaded machine
     assert "in the training step (input reading included)" in first
+    bound = canary.bound(T)
+    full = [(w, text) for w, text in logged(run.stderr, "ERROR") if (w, text) != (when, first)]
+    ((convicted, line),) = full
+    assert f"the all-reduce itself did not answer in {bound:g} s" in line
+    assert bound - 0.5 <= convicted - when <= bound + 4
     assert re.search(r'stall_script.py", line \d+, in <module>\n +model.fit\(', run.stderr)
     assert "backend hierarchical_copy (list) on /device:CPU:0, /device:CPU:1" in run.stderr
     assert gone(int(pidfile.read_text()))  # the probe process left open went with it
@@ -111,12 +122,39 @@ def test_a_blocked_step_is_reported_ends_the_process_and_is_remembered(tf2, tmp_
     assert stalled["reason"].startswith("stalled during training on ")
     assert "hierarchical_copy failed" in again.stderr and "--refresh" in again.stderr
     assert [s["backend"] for s in second["stalls"]] == ["hierarchical_copy"]
+    assert second["stalls"][0]["evidence"] == "canary"
 
     listing = run_cli("--devices", "/cpu:0", "/cpu:1", env=cache)
     assert "stalled during training on" in listing.stdout
     run_cli("--devices", "/cpu:0", "/cpu:1", "--refresh", "--json", env=cache)
     after = json.loads(run_cli("--devices", "/cpu:0", "/cpu:1", "--json", env=cache).stdout)
     assert (after["backend"], after["stalls"]) == ("hierarchical_copy", [])
+
+
+@needs_tf
+@pytest.mark.parametrize(
+    "scenario, where",
+    [
+        ("pyfunc", r"running your Python in a py_function \(stall_script.py:\d+\)"),
+        ("map", r"running your Python in a py_function \(stall_script.py:\d+\)"),
+    ],
+)
+def test_a_hang_in_the_users_code_inside_the_step_is_reported_and_never_recorded(
+    tf2, tmp_path, run_cli, scenario, where
+):
+    """The step hangs in a layer's py_function, or in a tf.data map: the canary through the
+    same backend answers, so nothing is recorded and the next decision is the same."""
+    run = train(scenario, tmp_path, SAFESTRATEGY_STALL_ACTION="exit")
+    assert run.returncode == 75, run.stderr[-3000:]
+    assert len(fired(run.stderr)) == 1
+    assert re.search(
+        r"the all-reduce answered in \d+ ms: the step is stuck outside it: " + where, run.stderr
+    )
+    assert re.search(r"Not recorded against \w+: its all-reduce answers", run.stderr)
+    assert words.OUTSIDE_TIP in run.stderr and "another backend:" not in run.stderr
+    cache = {"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache")}
+    listed = run_python("-m", "safestrategy", "records", env=cache, timeout=120)
+    assert listed.returncode == 0 and "stalled during training" not in listed.stdout
 
 
 @needs_tf
@@ -150,7 +188,7 @@ def test_a_slow_step_is_an_error_then_info_and_no_record(tf2, tmp_path):
     run = train("slow", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     started = float(re.search(r"^MARK (\S+) step 5 starts", run.stderr, re.MULTILINE).group(1))
-    errors = [when for when, _ in logged(run.stderr, "ERROR")]
+    errors = [when for when, _ in fired(run.stderr)]
     finished = [when for when, text in logged(run.stderr, "INFO") if "finished after all" in text]
     # (a loaded machine may compile the first step for longer than T: a stall that ends too)
     assert len([when for when in errors if when > started]) == 1

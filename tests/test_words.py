@@ -128,3 +128,45 @@ def test_the_record_is_promised_only_where_one_is_written_and_read(tf, monkeypat
     assert said in stall_text("nccl", ())  # what the next decision does, as run says it
     said = "the next decision avoids hierarchical_copy while another backend passes"
     assert said in stall_text("hierarchical_copy", ())
+
+
+def test_the_canary_decides_what_the_error_says_of_the_allreduce():
+    from safestrategy.training.canary import ANSWERED, HUNG, NONE, Answer
+
+    where = report(
+        backend="reduce_to_cpu", devices=CPUS, candidates=(result("reduce_to_cpu", "ok"),)
+    )
+    place = records.Place(records.KIND, {}, True, where.devices)
+    settings = _env.StallSettings(600.0, "warn")
+
+    def said(answer, recorded):
+        return words.message(
+            601.0,
+            STEP,
+            "MainThread",
+            "",
+            where,
+            {},
+            settings,
+            recorded,
+            canary=answer,
+            where="running your Python in a py_function (train.py:40)",
+        )
+
+    answered = said(Answer(ANSWERED, 0.004), None)
+    first = answered.splitlines()[0]
+    assert first.endswith(
+        "; the all-reduce answered in 4 ms: the step is stuck outside it: running your Python "
+        "in a py_function (train.py:40)."
+    )
+    assert "Not recorded against reduce_to_cpu: its all-reduce answers" in answered
+    assert words.OUTSIDE_TIP in answered and "another backend:" not in answered
+    hung = said(Answer(HUNG, 6.2), place)
+    assert "; the all-reduce itself did not answer in 6.2 s." in hung.splitlines()[0]
+    assert "The stall is recorded" in hung and "another backend:" in hung
+    none = said(Answer(NONE, 0.0, "TensorFlow 1.x: no eager all-reduce"), None)
+    assert "no all-reduce could be run" not in none.splitlines()[0]
+    assert (
+        "Not recorded against reduce_to_cpu: no all-reduce could be run to check it "
+        "(TensorFlow 1.x: no eager all-reduce), and a stall is recorded only when" in none
+    )

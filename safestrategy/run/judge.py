@@ -157,6 +157,12 @@ def judge(
         why = f"training stalled {where}, outside the all-reduce: nothing recorded, and "
         why += "another backend would wait the same way"
         return Verdict(False, code, "stalled outside the all-reduce", why)
+    unproven = next((s for s in launch.stalls if s.get("canary") in UNPROVEN), None)
+    if ended.returncode == EXIT_STALL and unproven is not None:
+        said = str(unproven.get("canary_said"))
+        why = f"training stalled on {backend}, but {said}: nothing recorded, and "
+        why += UNPROVEN[str(unproven.get("canary"))]
+        return Verdict(False, code, "stalled in the program", why)
     if ended.returncode == EXIT_STALL:
         stall = recorded(place, backend, cache) if readable else None  # type: ignore[arg-type]
         if stall is None:
@@ -191,6 +197,13 @@ def judge(
     why = f"training crashed on {backend} ({cause}) (recorded); {then}"
     return Verdict(True, code, f"crashed on {backend}", why, record)
 
+
+#: What the canary showed of a stall it did not convict (the watchdog's ``canary``), and
+#: why that is no reason to relaunch.
+UNPROVEN = {
+    "answered": "another backend would wait the same way",
+    "none": "a relaunch on another backend would only be a guess",
+}
 
 #: Where the watchdog placed a stall outside the all-reduce, as ``run`` says it.
 WHERE_OUTSIDE = {

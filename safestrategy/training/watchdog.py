@@ -21,12 +21,12 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from .. import _env, _rundir, records
 from ..checks import probe
 from ..report import Report
-from . import peers, publish
+from . import canary, peers, publish
 from .board import Board
 from .sampler import (
     FINISHED,
@@ -37,10 +37,11 @@ from .sampler import (
     advance,
     calls,
     interval,
+    is_library,
     stack_text,
     stopped_for,
 )
-from .words import message
+from .words import headline, message, stuck_where
 
 logger = logging.getLogger("safestrategy")
 
@@ -148,6 +149,15 @@ def outside_allreduce(kind: str, frame: Any, watched: Sequence[Strategy]) -> boo
     return kind == OP and (frame is None or _on_stack(frame, watched) is None)
 
 
+_beats = itertools.count(1)
+
+
+def _beat(inside: bool) -> None:
+    """A heartbeat, under `run` only (it judges silence): each sample's, and each second
+    of a canary's wait, which must not read as a silent process."""
+    _rundir.heartbeat(next(_beats), inside)
+
+
 def _run() -> None:
     me = threading.get_ident()
     state: Dict[int, Watched] = {}
@@ -162,7 +172,7 @@ def _run() -> None:
         frames = sys._current_frames()
         frames.pop(me, None)
         seen = calls(frames)
-        _rundir.heartbeat(sample, inside=bool(seen))  # under `run` only: it judges silence
+        _beat(inside=bool(seen))
         stopped = stopped_for(now - before, pause)
         state, events = advance(state, seen, now, settings.timeout, stopped)
         board = _board
@@ -173,7 +183,7 @@ def _run() -> None:
                 logger.debug("stall watchdog: publishing to the peers failed", exc_info=True)
         for event in events:
             try:
-                _handle(event, frames.get(event.thread), settings)
+                _handle(event, frames.get(event.thread), settings, frames)
             except Exception:  # the watchdog must never be what breaks a training
                 logger.debug("stall watchdog: handling %s failed", event, exc_info=True)
         del seen, frames
@@ -199,18 +209,30 @@ def nccl_variables() -> Dict[str, str]:
     return {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
 
 
-def stalled(text: str, culprit: Optional[Strategy], seconds: float, cause: str = "") -> None:
+def stalled(
+    text: str, culprit: Optional[Strategy], seconds: float, cause: str = "", evidence: str = ""
+) -> None:
     """Log a stall's ERROR and record it where ``culprit``'s records go (if anywhere), with
-    its ``cause`` (a multi-worker verdict)."""
+    its ``cause`` (a multi-worker verdict, what the canary showed) and ``evidence``."""
     logger.error(text)
     if culprit is not None and culprit.place is not None:
         report = culprit.report
         chosen = next((c for c in report.candidates if c.name == report.backend), None)
         remedy = chosen.remedy if chosen is not None else {}
-        records.record(culprit.place, report.backend, seconds, remedy, cause=cause)
+        records.record(
+            culprit.place, report.backend, seconds, remedy, cause=cause, evidence=evidence
+        )
 
 
-def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
+def _handle(
+    event: Event,
+    frame: Any,
+    settings: _env.StallSettings,
+    frames: Optional[Mapping[int, Any]] = None,
+) -> None:
+    """One event of a sample: a stall fired (tell, check the all-reduce, record what the
+    canary convicts, exit under ``exit``) or a stalled call finished after all (withdraw).
+    ``frame``: the stuck thread's innermost frame; ``frames``: every thread's, for where."""
     if event.what == FINISHED:
         written = _written.pop(event.thread, None)
         logger.info(
@@ -230,11 +252,19 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
     if board is not None and culprit is not None and culprit.report.task is not None:
         verdict = board.verdict(interval(settings.timeout), publish.hold(settings.timeout))
         drawn = verdict, peers.table(board.me, board.heard())
+    thread = _thread_name(event.thread)
+    answer, where = None, ""
+    if culprit is not None and not outside and culprit.report.task is None:
+        first = headline(event.seconds, event.watched.kind, thread, settings)
+        answer = _canary(culprit, first, settings.timeout)
+        where = _where(frames or {})
     if culprit is not None:  # records only what is the all-reduce's doing
         peer = drawn is not None and drawn[0].kind in (peers.HELD, peers.GONE)
-        culprit = culprit._replace(place=records.recordable(culprit.place, outside, peer))
+        convicted = answer is None or answer.convicts  # multi-worker: the peers' verdict
+        culprit = culprit._replace(
+            place=records.recordable(culprit.place, outside, peer, convicted)
+        )
     stack = stack_text(frame, event.watched.call) if frame is not None else "  (gone)"
-    thread = _thread_name(event.thread)
     text = message(
         event.seconds,
         event.watched.kind,
@@ -247,23 +277,59 @@ def _handle(event: Event, frame: Any, settings: _env.StallSettings) -> None:
         [w.report for w in watched] if culprit is None else (),
         outside,
         drawn,
+        answer,
+        where,
     )
     if drawn is not None and board is not None:  # the last beat says it, for the peers
         publish.last_word(board, drawn[0], settings.timeout, wait=settings.action == "exit")
     cause = drawn[0].line if drawn is not None and drawn[0].kind == peers.STUCK else ""
-    stalled(text, culprit, event.seconds, cause)
+    evidence = "canary" if answer is not None and answer.convicts else ""
+    stalled(text, culprit, event.seconds, answer.said() if evidence else cause, evidence)
     recorded = culprit is not None and culprit.place is not None
     if recorded:
         _written[event.thread] = culprit
-    tell_run(event.watched.kind, outside, recorded, drawn[0] if drawn is not None else None)
+    tell_run(event.watched.kind, outside, recorded, drawn[0] if drawn is not None else None, answer)
     if settings.action == "exit":
         _exit()
 
 
-def tell_run(where: str, outside: bool, recorded: bool, verdict: Optional[peers.Verdict]) -> None:
+def _canary(culprit: Strategy, first: str, timeout: float) -> canary.Answer:
+    """Check whether ``culprit``'s all-reduce still answers; ``first``, the ERROR's first
+    line, is logged before it runs (it may take up to its bound)."""
+    strategy = culprit.ref()
+    why = canary.unavailable(culprit.report, strategy)
+    if why is not None:
+        return canary.Answer(canary.NONE, 0.0, why)
+    seconds = canary.bound(timeout)
+    logger.error(
+        "%s Checking whether the all-reduce itself answers (at most %g s).", first, seconds
+    )
+    tf = sys.modules["tensorflow"]
+    return canary.run(tf, culprit.report, strategy, seconds, lambda: _beat(inside=True))
+
+
+def _where(frames: Mapping[int, Any]) -> str:
+    """Where the stuck step waits, as the ERROR says it (``running your Python in a
+    py_function (train.py:40)``), from every thread's frames."""
+    if not frames:
+        return ""
+    found = peers.whereabouts(frames, calls(frames), threading.main_thread().ident, is_library)
+    return stuck_where(found.where, found.at)
+
+
+def tell_run(
+    where: str,
+    outside: bool,
+    recorded: bool,
+    verdict: Optional[peers.Verdict],
+    answer: Optional[canary.Answer] = None,
+) -> None:
     """The run directory's ``stall-<pid>.json``: where the stall was, whether it was
-    recorded, and the workers' verdict (``run`` judges the launch by it)."""
+    recorded, what the canary showed and the workers' verdict (``run`` judges the launch
+    by it)."""
     said: Dict[str, Any] = {"where": where, "outside": outside, "recorded": recorded}
+    if answer is not None:
+        said.update(canary=answer.kind, canary_said=answer.said())
     if verdict is not None:
         said.update(verdict=verdict.kind, culprit=verdict.task, line=verdict.line)
     _rundir.stalled(said)

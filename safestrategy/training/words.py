@@ -12,7 +12,9 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 from .. import _env, records
 from ..backends import BACKEND_NAMES, COLLECTIVE, COMMUNICATION_NAMES, NCCL, get_backend
 from ..report import NOT_TRIED, OK, Report
-from .peers import GONE, HELD, Verdict
+from .canary import ANSWERED, NONE, Answer
+from .peers import CHECKPOINT, GONE, HELD, INPUT, PY_FUNCTION, Verdict
+from .peers import WHERE as PEER_WHERE
 from .sampler import WHERE
 
 #: The command that lists (and with ``--forget`` forgets) every record in the cache directory.
@@ -127,17 +129,25 @@ def message(
     suspects: Sequence[Report] = (),
     outside: bool = False,
     peers: Optional[Tuple[Verdict, str]] = None,
+    canary: Optional[Answer] = None,
+    where: str = "",
 ) -> str:
     """The ERROR for a stall: how long, where, which backend and devices, what to try, and
     whether it is recorded (``place``: where; None: nothing is). ``report`` None with
     ``suspects``: the stuck call's strategy could not be told among these. ``outside``:
     the call is outside the all-reduce (input, no strategy's call), which no backend cures.
-    ``peers``: multi-worker, the verdict every worker draws and the table of workers."""
-    headline = (
-        f"training has made no progress for {seconds:.0f} s: thread {thread!r} has been in "
-        f"one TensorFlow call for that long ({_env.ENV_STALL_TIMEOUT}={settings.timeout:g}), "
-        f"{WHERE[kind]}."
-    )
+    ``peers``: multi-worker, the verdict every worker draws and the table of workers.
+    ``canary``: what the known-sum all-reduce run during the stall showed (None: none was
+    asked), and ``where`` the step waits (:func:`stuck_where`)."""
+    line = headline(seconds, kind, thread, settings)
+    if canary is not None and canary.kind != NONE:
+        answered = canary.kind == ANSWERED
+        line = (
+            line[:-1]
+            + f"; {canary.said()}"
+            + (f": the step is stuck outside it: {where}" if answered and where else "")
+            + "."
+        )
     if settings.action == "exit":
         closing = (
             f"{_env.ENV_STALL_ACTION}=exit: ending the process with exit code {_env.EXIT_STALL}."
@@ -147,18 +157,49 @@ def message(
     else:
         closing = "Still waiting."
     held = peers is not None and peers[0].kind in (HELD, GONE)
+    against = f"Not recorded against {report.backend if report else 'a backend'}"
+    answered = canary is not None and canary.kind == ANSWERED
     if held:
         closing = f"Not recorded: {_NOT_THE_COMMUNICATION[peers[0].kind]}. " + closing
     elif outside:
         closing = (
-            f"Not recorded against {report.backend if report else 'a backend'}: the call is "
-            "outside the all-reduce, and another backend would wait the same way. " + closing
+            f"{against}: the call is outside the all-reduce, and another backend would wait "
+            "the same way. " + closing
+        )
+    elif answered:
+        closing = (
+            f"{against}: its all-reduce answers, so the step is stuck in the program, and "
+            "another backend would wait the same way. " + closing
+        )
+    elif canary is not None and canary.kind == NONE and report is not None:
+        closing = (
+            f"{against}: {canary.said()}, and a stall is recorded only when the all-reduce "
+            "itself is shown stuck. " + closing
         )
     if peers is not None:
-        headline += f"\n{peers[0].line}.\nworkers:\n{peers[1]}"
+        line += f"\n{peers[0].line}.\nworkers:\n{peers[1]}"
     return _explained(
-        headline, stack, report, nccl, closing, place, suspects, not (outside or held), held
+        line, stack, report, nccl, closing, place, suspects, not (outside or held or answered), held
     )
+
+
+def headline(seconds: float, kind: str, thread: str, settings: _env.StallSettings) -> str:
+    """A stall's first line: how long, which thread, what kind of call."""
+    return (
+        f"training has made no progress for {seconds:.0f} s: thread {thread!r} has been in "
+        f"one TensorFlow call for that long ({_env.ENV_STALL_TIMEOUT}={settings.timeout:g}), "
+        f"{WHERE[kind]}."
+    )
+
+
+def stuck_where(sign: str, at: str) -> str:
+    """Where a step whose all-reduce answers waits, from what its threads show (``sign``:
+    :func:`~safestrategy.training.peers.whereabouts`' kind, ``at`` the user's line)."""
+    if sign in (PY_FUNCTION, CHECKPOINT, INPUT):
+        what = PEER_WHERE[sign]
+    else:  # no thread shows more than the step: a native op inside it
+        what = "in a TensorFlow op of the step (a native op, a file read)"
+    return f"{what} ({at})" if at else what
 
 
 #: Why a multi-worker verdict records nothing against the communication.
