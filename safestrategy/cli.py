@@ -26,11 +26,17 @@ from typing import Any, Iterator, List, Optional, Sequence
 from . import _benchmark, _tf, records
 from ._devices import Device, cpu_count, parse_devices
 from ._env import (
+    DEFAULT_PAYLOAD_MB,
+    DEFAULT_STALL_TIMEOUT,
     DEFAULT_TIMEOUT,
     ENV_BACKEND,
     ENV_CACHE,
     ENV_CACHE_DIR,
+    ENV_COMMUNICATION,
     ENV_NCCL_REMEDIES,
+    ENV_PAYLOAD,
+    ENV_STALL_ACTION,
+    ENV_STALL_TIMEOUT,
     ENV_TF_CONFIG,
     ENV_TIMEOUT,
     cache_dir,
@@ -58,9 +64,18 @@ def _parser() -> argparse.ArgumentParser:
         "alike\n"
         "  run -- COMMAND     run a training, relaunching it on the next backend when an "
         "all-reduce stalls or crashes it (POSIX)\n\n"
-        f"environment: {ENV_BACKEND} (same values as --backend), "
-        f"{ENV_TIMEOUT} (seconds, default {DEFAULT_TIMEOUT:g}), "
-        f"{ENV_CACHE} (on/off), {ENV_CACHE_DIR}, {ENV_NCCL_REMEDIES} (on/off)",
+        "environment:\n"
+        f"  {ENV_BACKEND:<28} same values as --backend\n"
+        f"  {ENV_TIMEOUT:<28} seconds per smoke check (default {DEFAULT_TIMEOUT:g})\n"
+        f"  {ENV_PAYLOAD:<28} MiB auto times each candidate on (default "
+        f"{DEFAULT_PAYLOAD_MB:g})\n"
+        f"  {ENV_CACHE:<28} on/off: cached verdicts, timings and records\n"
+        f"  {ENV_CACHE_DIR:<28} where they are kept\n"
+        f"  {ENV_NCCL_REMEDIES:<28} on/off: NCCL's fixes tried when NCCL fails\n"
+        f"  {ENV_STALL_TIMEOUT:<28} seconds one TensorFlow call may run in training "
+        f"(default {DEFAULT_STALL_TIMEOUT:g}; off)\n"
+        f"  {ENV_STALL_ACTION:<28} warn (default) or exit (code 75) on a stall\n"
+        f"  {ENV_COMMUNICATION:<28} multi-worker: auto, nccl, ring or a list",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
@@ -73,10 +88,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="D",
         help="devices to check (default: what MirroredStrategy() picks here: every GPU, else CPU)",
     )
-    parser.add_argument("--timeout", type=float, metavar="S", help="seconds per smoke check")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help=f"seconds per smoke check (default {DEFAULT_TIMEOUT:g}, or {ENV_TIMEOUT})",
+    )
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument(
-        "--refresh", action="store_true", help="ignore cached NCCL verdicts: check again, rewrite"
+        "--refresh",
+        action="store_true",
+        help="check again and rewrite: ignore cached NCCL verdicts and auto's timings (every "
+        "candidate is timed again), and forget the stall and crash records of these devices",
     )
     cache.add_argument(
         "--no-cache", action="store_true", help="neither read nor write cached NCCL verdicts"

@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from safestrategy import _env
+
 from .conftest import ROOT, needs_tf
 
 pytestmark = needs_tf
@@ -167,6 +169,23 @@ def test_records_says_which_cache_directory_it_read_and_that_it_is_only_that_one
     assert "one cache directory" in helped and "every record on" not in helped
     assert where in " ".join(helped.split())
     assert "in the cache directory (SAFESTRATEGY_CACHE_DIR)" in run_cli("--help").stdout
+
+
+def test_help_lists_every_variable_a_user_sets_with_its_default(run_cli):
+    """Every SAFESTRATEGY_ variable the library reads from a user (not the ones ``run``
+    sets for its launches) is in ``--help``; ``--timeout`` and ``--refresh`` say all."""
+    helped = " ".join(run_cli("--help").stdout.split())
+    set_by_run = {_env.ENV_RUN_DIR, _env.ENV_RESTART, _env.ENV_RUN_GRACE}
+    names = {
+        value
+        for name, value in vars(_env).items()
+        if name.startswith("ENV_") and value.startswith("SAFESTRATEGY_")
+    }
+    assert len(names - set_by_run) == 9
+    assert [name for name in sorted(names - set_by_run) if name not in helped] == []
+    assert f"seconds per smoke check (default {_env.DEFAULT_TIMEOUT:g}" in helped
+    assert f"(default {_env.DEFAULT_STALL_TIMEOUT:g}; off)" in helped
+    assert "every candidate is timed again" in helped and "stall and crash records" in helped
 
 
 def test_run_help_shows_its_defaults_and_what_grace_bounds(run_cli):
