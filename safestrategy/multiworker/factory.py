@@ -349,8 +349,10 @@ def keras3_warning(
         "with MultiWorkerMirroredStrategy: the first fit fails with 'ValueError: Attempt to "
         f"convert a value (PerReplica:{{...}}) with an unsupported type' ({KERAS3_ISSUE}; "
         "stock TensorFlow fails the same way). To use fit, take TensorFlow's way back to "
-        f"Keras 2: pip install tf_keras~={release[0]}.{release[1]} and set "
-        "TF_USE_LEGACY_KERAS=1 before TensorFlow is imported. Custom training loops "
+        f"Keras 2: pip install --no-deps tf_keras~={release[0]}.{release[1]} (--no-deps: "
+        "tf_keras requires the 'tensorflow' package, and would install a second TensorFlow "
+        "over tensorflow-cpu) and set TF_USE_LEGACY_KERAS=1 before TensorFlow is imported. "
+        "Custom training loops "
         "(strategy.run in a tf.function) are unaffected"
     )
 
