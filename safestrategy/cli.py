@@ -201,6 +201,14 @@ def _cannot_write(path: str) -> Optional[str]:
     return None if os.access(directory, os.W_OK) else f"the directory {directory} is not writable"
 
 
+#: What the report of one device says next: nothing was checked, and how to see checks.
+ONE_DEVICE_NEXT = (
+    "nothing was checked: one device has nothing to all-reduce. To watch the checks run "
+    "here, split the CPU into two logical devices: python -m safestrategy --devices /cpu:0 "
+    "/cpu:1"
+)
+
+
 def _split_cpu(devices: Optional[Sequence[Device]]) -> None:
     """TF2: split this process's CPU into as many logical devices as ``devices`` name.
 
@@ -327,6 +335,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"safestrategy: {error}", file=sys.stderr)
         return 1
     print(report.to_json() if args.json else f"\n{report}")
+    if not args.json and len(report.devices) == 1:
+        print(f"\n{ONE_DEVICE_NEXT}")
     if benchmark and status == 0:
         status = _benchmark_and_plot(_tf.import_tf(), report, args)
     return status
