@@ -109,7 +109,18 @@ def install() -> None:
         with contextlib.suppress(OSError):
             _fault_file = open(os.path.join(where, f"fault-{os.getpid()}"), "w")  # noqa: SIM115
             faulthandler.enable(file=_fault_file, all_threads=True)
-    atexit.register(lambda: _write("heartbeat", f"{FINISHED}\n"))
+    atexit.register(_finished)
+
+
+def _finished() -> None:
+    """At a normal exit: the ``finished`` heartbeat, and no empty ``fault-<pid>`` left
+    behind (``run`` ignores a finished process's dump: nothing is lost)."""
+    _write("heartbeat", f"{FINISHED}\n")
+    if _fault_file is not None and os.fstat(_fault_file.fileno()).st_size == 0:
+        with contextlib.suppress(OSError, ValueError):
+            faulthandler.disable()
+            _fault_file.close()
+            os.remove(_fault_file.name)
 
 
 class Launch(NamedTuple):

@@ -75,6 +75,7 @@ def test_the_child_leaves_its_decision_heartbeat_and_error_and_a_grandchild_writ
     assert list(left.beats.values()) in ([_rundir.FINISHED], ["7 inside"])
     assert left.error.strip() == "ValueError: the last words"
     assert len(list(launch_dir.glob("heartbeat-*"))) == 1  # the grandchild's 99 went nowhere
+    assert not list(launch_dir.glob("fault-*"))  # no empty dump left by a normal exit
     assert judge.NOT_CURABLE in done.stderr and "launches:" in done.stderr
 
 
