@@ -134,6 +134,19 @@ def test_whereabouts_reads_the_threads_as_the_watchdog_samples_them():
     assert peers.whereabouts({1: saving}, {}, 1, library)[0] == peers.CHECKPOINT
 
 
+def test_the_line_named_is_the_users_not_pythons_own_or_safestrategys():
+    """A py_function waiting on an Event sits in threading.py, called from the user's
+    layer; a safestrategy frame is no one's line either."""
+    import threading as threading_module
+
+    script = fake_frame(f"{TF}/ops/script_ops.py", "__call__")
+    user = fake_frame("/me/layers.py", "sleepy", script, line=40)
+    waiting = fake_frame(threading_module.__file__, "wait", user, line=320)
+    ours = fake_frame(peers.__file__, "publish", waiting)
+    where = peers.whereabouts({2: ours}, {}, None, library)
+    assert where[:2] == (peers.PY_FUNCTION, "layers.py:40")
+
+
 def test_a_steady_worker_is_in_each_step_only_as_long_as_that_step(monkeypatch, caplog):
     """Two workers' watchdogs (their own ``_Here`` each) publish a sample a second with a
     stall timeout of 5 s. Stepping steadily, each sample in a new step, a worker is

@@ -20,6 +20,7 @@ import fnmatch
 import json
 import os
 import re
+import sysconfig
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 #: Multi-worker: the collectives were aborted because a peer is gone: TF's health check
@@ -140,11 +141,29 @@ def _stack(frame: Any) -> List[Any]:
     return frames  # innermost first
 
 
+def _below(*paths: str) -> Tuple[str, ...]:
+    """Each of ``paths`` as a folder prefix, as written and with its links resolved."""
+    return tuple(
+        {
+            os.path.join(form(path), "")
+            for path in paths
+            for form in (os.path.abspath, os.path.realpath)
+        }
+    )
+
+
+#: Frames that are neither TensorFlow's nor the user's: Python's own (``threading.py``,
+#: ``queue.py``) and safestrategy's.
+NOT_USERS = _below(sysconfig.get_paths()["stdlib"], os.path.dirname(os.path.dirname(__file__)))
+
+
 def _line(frames: Sequence[Any], is_library: Callable[[str], bool]) -> str:
-    """The innermost frame of the user's code, as ``file.py:line``."""
+    """The innermost frame of the user's code, as ``file.py:line``: not a library's, not
+    Python's own, not safestrategy's."""
     for frame in frames:
-        if not is_library(frame.f_code.co_filename):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        filename = frame.f_code.co_filename
+        if not is_library(filename) and not filename.startswith(NOT_USERS):
+            return f"{os.path.basename(filename)}:{frame.f_lineno}"
     return ""
 
 
