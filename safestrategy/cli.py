@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Iterator, List, Optional, Sequence
 
-from . import _benchmark, _tf, records
+from . import _benchmark, _machine, _tf, records
 from ._devices import Device, cpu_count, parse_devices
 from ._env import (
     DEFAULT_PAYLOAD_MB,
@@ -260,12 +260,17 @@ def _records(argv: List[str]) -> int:
         return 0
     found = [r for r in records.every(where) if args.backend in (None, r[2].backend)]
     print(f"{len(found)} record{'' if len(found) == 1 else 's'} in {read}")
+    machine = _machine.identity() if any(kind == records.KIND for kind, _, _ in found) else {}
+    tf_version = _tf.tf_version()
     for kind, key, stall in found:
         if kind == records.MULTIWORKER_KIND:
             place = f"multi-worker, {key.get('task')} of {', '.join(key.get('cluster') or ())}"
         else:
             place = f"one machine, {', '.join(key.get('devices') or ())}"
         print(f"{stall.line()}  [{place}; TF {key.get('tf')}]")
+        unread = records.unread_here(key, machine, tf_version)
+        if unread:
+            print(f"    not read by any decision here ({unread}): `records --forget` forgets it")
     return 0
 
 

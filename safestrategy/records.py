@@ -275,6 +275,19 @@ def every(where: str) -> List[Tuple[str, Dict[str, Any], Stall]]:
     return found
 
 
+def unread_here(
+    key: Mapping[str, Any], machine: Mapping[str, Any], tf_version: Optional[str]
+) -> str:
+    """Why no decision on this machine and TensorFlow reads the record under ``key`` ("":
+    one may): a record is read only by decisions on the TensorFlow and (one machine) the
+    machine identity it was written on, so one left by an old build stays listed, unread."""
+    if key.get("tf") != tf_version:
+        return f"written on TF {key.get('tf')}, this is {tf_version or 'no TensorFlow'}"
+    if "machine" in key and key["machine"] != dict(machine):
+        return "written for another machine identity (host, GPUs or /dev/shm size)"
+    return ""
+
+
 def forget(where: str, backend: Optional[str] = None) -> int:
     """Forget every record (of ``backend`` only, when given), both key spaces; how many."""
     gone = 0

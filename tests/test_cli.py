@@ -129,6 +129,15 @@ def test_records_lists_and_forgets_both_key_spaces_with_tf_config_set(run_cli, t
     forgot = run_cli("records", "--forget", "--backend", "ring", env=on_worker)
     assert forgot.stdout.startswith("forgot 1 record in ")
     assert run_cli("records").stdout.startswith("1 record in ")
+    assert "not read by any decision here" not in run_cli("records").stdout
+    old = dict(records.on_machine(tf, ["/device:CPU:0", "/device:CPU:1"]).key, tf="2.16.2")
+    records.record(records.Place(records.KIND, old, True), "nccl", 603, {})
+    unread = run_cli("records").stdout.splitlines()
+    assert unread[0].startswith("2 records in ")
+    assert (
+        f"    not read by any decision here (written on TF 2.16.2, this is {tf.__version__}): "
+        "`records --forget` forgets it" in unread
+    )
     assert run_cli("records", "--backend", "bogus").returncode == 2
     assert run_cli("records", env={"SAFESTRATEGY_CACHE": "maybe"}).returncode == 2
 

@@ -238,3 +238,16 @@ def test_with_the_cache_off_the_reason_is_the_cache(monkeypatch):
     monkeypatch.setenv("SAFESTRATEGY_CACHE", "off")
     why = records.unread(report(candidates=(result("nccl", "ok"),)), None)
     assert why == "SAFESTRATEGY_CACHE=off keeps no record"
+
+
+def test_a_record_no_decision_here_reads_says_why():
+    machine = {"gpu_uuids": None, "host": "vm", "shm_bytes": 64}
+    here = {"machine": machine, "devices": ["/device:CPU:0"], "tf": "2.21.0", "backend": "nccl"}
+    assert records.unread_here(here, machine, "2.21.0") == ""
+    old = {**here, "tf": "2.16.2"}
+    assert records.unread_here(old, machine, "2.21.0") == "written on TF 2.16.2, this is 2.21.0"
+    moved = {**here, "machine": {**machine, "shm_bytes": 65}}
+    assert "another machine identity" in records.unread_here(moved, machine, "2.21.0")
+    worker = {"cluster": ["a:1", "b:1"], "task": "worker:0", "tf": "2.21.0"}
+    assert records.unread_here(worker, {}, "2.21.0") == ""  # multi-worker: no machine key
+    assert records.unread_here(worker, {}, None) == "written on TF 2.21.0, this is no TensorFlow"
