@@ -96,6 +96,12 @@ def single_device(setting: Setting, device: Device) -> Decision:
     return Decision(chosen, SINGLE_DEVICE_REASON, results)
 
 
+#: What a warm decision adds to the remembered reason: its times are not this run's.
+CACHED_TIMINGS = (
+    "timed on an earlier run and cached; only the winner checked now; --refresh times again"
+)
+
+
 def _ms(value: float) -> str:
     return f"{value:.1f} ms"
 
@@ -176,7 +182,7 @@ def _warm(
     else:
         return None, checked
     winner = remembered.backend
-    reason = remembered.reason
+    reason = f"{remembered.reason} ({CACHED_TIMINGS})"
     if name != winner:
         reason = (
             f"next fastest by the cached timings, {_ms(remembered_ms(remembered, name))}, "

@@ -4,6 +4,7 @@ from safestrategy._devices import parse_devices
 from safestrategy._env import resolve_backend
 from safestrategy.backends import Applicability, unavailable
 from safestrategy.choose import (
+    CACHED_TIMINGS,
     SINGLE_DEVICE_REASON,
     Decision,
     Planned,
@@ -167,7 +168,7 @@ def test_remembered_timings_check_only_the_winner_and_time_nothing():
     decision = decide(AUTO, check, time, skips(CPUS), remembered())
     assert (decision.backend, calls, timed) == ("reduce_to_cpu", ["reduce_to_cpu"], [])
     assert decision.warm and not decision.timed
-    assert decision.reason == "fastest: 5.7 ms; ..."
+    assert decision.reason == f"fastest: 5.7 ms; ... ({CACHED_TIMINGS})"  # not this run's
     assert [(r.cached, r.ms) for r in decision.results] == [
         (True, 19.3),
         (True, 11.6),
