@@ -69,7 +69,7 @@ def test_the_child_leaves_its_decision_heartbeat_and_error_and_a_grandchild_writ
         timeout=120,
     )
     assert done.returncode == 1, done.stderr
-    (launch_dir,) = (tmp_path / "cache" / "runs").glob("*/launch-0")
+    (launch_dir,) = (tmp_path / "cache" / "runs").glob("*/launch-1")  # launch 1
     left = _rundir.read(str(launch_dir))
     assert [d["backend"] for d in left.decisions] == ["reduce_to_cpu"]
     assert list(left.beats.values()) in ([_rundir.FINISHED], ["7 inside"])
@@ -573,7 +573,7 @@ def test_a_training_that_finished_but_hangs_at_exit_is_ended_after_grace(tmp_pat
 def test_runs_keeps_the_last_20_launches(tmp_path):
     runs = tmp_path / "runs"
     for number in range(25):
-        old = runs / f"20260101-000000-{number:02d}" / "launch-0"
+        old = runs / f"20260101-000000-{number:02d}" / "launch-1"
         old.mkdir(parents=True)
         os.utime(str(old), (1e9 + number, 1e9 + number))
     done = run_python(

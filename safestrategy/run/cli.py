@@ -94,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows: List[Tuple[int, str, str, float]] = []
     verdict = None
     for number in range(launches):
-        where = os.path.join(base, f"launch-{number}")
+        where = os.path.join(base, f"launch-{number + 1}")  # as run's lines number it
         os.makedirs(where, exist_ok=True)
         if runs is not None:
             prune(runs, KEEP_LAUNCHES)
