@@ -59,10 +59,11 @@ CPUS = ("/device:CPU:0", "/device:CPU:1")
 def test_the_canary_answers_through_a_live_strategy_on_two_cpus(tf2, backend):
     import safestrategy
 
-    strategy = safestrategy.make_mirrored_strategy(list(CPUS), backend=backend)
+    try:
+        strategy = safestrategy.make_mirrored_strategy(list(CPUS), backend=backend)
+    except safestrategy.NoWorkingBackendError as error:  # collective before TF 2.13
+        pytest.skip(f"{backend} does not apply on this TensorFlow: {error}")
     built = safestrategy.last_report()
-    if built.backend != backend:
-        pytest.skip(f"{backend} does not apply on this TensorFlow: {built.reason}")
     answer = canary.run(tf2, built, strategy, 10.0)
     assert answer.kind == canary.ANSWERED, answer
     assert answer.seconds < 1.0  # answers within a second on 2 logical CPUs
