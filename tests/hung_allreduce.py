@@ -7,20 +7,30 @@ run_script.py): TensorFlow cannot hang an all-reduce on a CPU.
 each replica's value, for an hour once the returned event is set; until then they are
 the real ones (their smoke checks pass). The canary, run through the same
 cross-device ops object, then waits at the same gate: what a hung NCCL does.
+
+``canary_fails``: the calls that reach the gate over a second after the first one
+blocked (the canary's, a stall timeout later) fail at once instead, as a new call to an
+NCCL communicator that is stuck may: the canary convicts without waiting out its bound.
+For the tests whose subject is what follows a conviction (``run``'s relaunches), not the
+bound; the step itself still hangs.
 """
 
 import threading
 import time
 
 
-def install(tf):
+def install(tf, canary_fails=False):
     """Install the gated classes; the event that, once set, hangs every all-reduce after."""
     from tensorflow.python.distribute import values as values_lib
 
     hang = threading.Event()
+    blocked = []  # when the first call blocked at the gate
 
     def gate(x):
         if hang.is_set():
+            blocked.append(time.monotonic())
+            if canary_fails and blocked[-1] - blocked[0] > 1.0:
+                raise RuntimeError("NCCL communicator is stuck (fake): the call fails")
             time.sleep(3600)  # the all-reduce that never answers
         return x
 

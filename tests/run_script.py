@@ -66,7 +66,7 @@ BACKUP = os.environ.get("RUN_SCRIPT_BACKUP") or os.path.join(
 DEVICES = ["/cpu:0", "/cpu:1"]
 _tf.configure_logical_cpus(tf, 2)
 trouble = {"armed": False}
-hang = hung_allreduce.install(tf)
+hang = hung_allreduce.install(tf, canary_fails=True)  # a conviction without the bound's wait
 
 
 def misbehave(x):

@@ -29,7 +29,8 @@ logical CPUs; a layer calls ``tf.py_function`` that sleeps as the scenario says.
 Lines starting with ``MARK`` carry ``time.time()`` so the test can time the ERROR.
 
 The one fake is tests/hung_allreduce.py: the all-reduce of ``hierarchical_copy`` and
-``reduce_to_cpu``, hung once ``hang`` is set.
+``reduce_to_cpu``, hung once ``hang`` is set (``two``: the canary fails at once; its
+subject is which strategy is blamed, not the canary's bound).
 """
 
 import logging
@@ -71,7 +72,7 @@ def pause(x):
     return x
 
 
-hang = hung_allreduce.install(tf)  # the all-reduce, hung once it is set
+hang = hung_allreduce.install(tf, canary_fails=SCENARIO == "two")  # hung once it is set
 
 
 class Hang(tf.keras.callbacks.Callback):

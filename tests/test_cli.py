@@ -43,14 +43,13 @@ def test_text_shows_each_candidate_as_it_completes_then_the_table(run_cli):
     assert (lines["hierarchical_copy"], lines["reduce_to_cpu"]) == ("failed", "ok")
     assert table.startswith("backend      ") and "(auto, chosen by default)" in table
     assert "nccl               skipped" in table
+    assert cli.ONE_DEVICE_NEXT not in done.stdout  # said of one device only
 
 
 def test_one_device_says_nothing_was_checked_and_how_to_watch_the_checks(run_cli):
     one = run_cli("--devices", "/cpu:0")
     assert one.returncode == 0, one.stderr
-    assert one.stdout.rstrip().endswith(cli.ONE_DEVICE_NEXT)
-    two = run_cli("--devices", "/cpu:0", "/cpu:1", "--backend", "reduce_to_cpu")
-    assert two.returncode == 0 and "nothing was checked" not in two.stdout
+    assert one.stdout.rstrip().endswith(cli.ONE_DEVICE_NEXT)  # never for more: the test above
 
 
 def test_exit_1_when_nothing_works(run_cli):
