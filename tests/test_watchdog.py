@@ -54,7 +54,7 @@ def test_a_call_that_finishes_withdraws_only_the_record_its_own_stall_wrote(monk
 
     def finishes(thread):
         call = sampler.Watched(object(), STEP, 0.0, fired=True)
-        watchdog._handle(sampler.Event(sampler.FINISHED, thread, call, 700.0), None, settings)
+        watchdog._handle(sampler.Event(sampler.FINISHED, thread, call, 700.0), settings)
 
     finishes(1)  # its stall wrote nothing: the crash record stays
     assert records.read(place, "hierarchical_copy").kind == "crash"

@@ -183,7 +183,7 @@ def _run() -> None:
                 logger.debug("stall watchdog: publishing to the peers failed", exc_info=True)
         for event in events:
             try:
-                _handle(event, frames.get(event.thread), settings, frames)
+                _handle(event, settings, frames)
             except Exception:  # the watchdog must never be what breaks a training
                 logger.debug("stall watchdog: handling %s failed", event, exc_info=True)
         del seen, frames
@@ -225,14 +225,13 @@ def stalled(
 
 
 def _handle(
-    event: Event,
-    frame: Any,
-    settings: _env.StallSettings,
-    frames: Optional[Mapping[int, Any]] = None,
+    event: Event, settings: _env.StallSettings, frames: Optional[Mapping[int, Any]] = None
 ) -> None:
     """One event of a sample: a stall fired (tell, check the all-reduce, record what the
     canary convicts, exit under ``exit``) or a stalled call finished after all (withdraw).
-    ``frame``: the stuck thread's innermost frame; ``frames``: every thread's, for where."""
+    ``frames``: every thread's innermost frame (the stuck one's stack, and where)."""
+    frames = frames or {}
+    frame = frames.get(event.thread)
     if event.what == FINISHED:
         written = _written.pop(event.thread, None)
         logger.info(
@@ -257,7 +256,7 @@ def _handle(
     if culprit is not None and not outside and culprit.report.task is None:
         first = headline(event.seconds, event.watched.kind, thread, settings)
         answer = _canary(culprit, first, settings.timeout)
-        where = _where(frames or {})
+        where = _where(frames)
     if culprit is not None:  # records only what is the all-reduce's doing
         peer = drawn is not None and drawn[0].kind in (peers.HELD, peers.GONE)
         convicted = answer is None or answer.convicts  # multi-worker: the peers' verdict
