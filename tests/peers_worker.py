@@ -10,6 +10,12 @@ turns it on and the workers step until one of:
 - ``input``: worker CULPRIT's input pipeline (a generator) blocks;
 - ``stop``: nothing here: the test SIGSTOPs worker CULPRIT after ``READY``;
 - ``all``: every worker's step blocks in a ``py_function`` (the same step);
+- ``stuck``: as ``all``, and the canary rounds' all-reduce hangs too (the seam of a
+  stuck communication: the canary is the only evidence the watchdog takes);
+- ``read``: worker CULPRIT blocks in an eager file read outside any step (a FIFO no one
+  writes: a hung file system), while the others wait in the step's all-reduce;
+- ``checkpoint``: every worker writes a checkpoint of an ``ON_READ`` variable (its save
+  all-reduces it) after every step; worker CULPRIT sleeps before one;
 - ``steady``: ``PEERS_ROUNDS`` rounds of ``PEERS_STEPS`` steps, publishing on every
   other round (``benchmarks/peers_overhead.py``): prints ``ROUND <n> <on|off> <s>``,
   then ``PUBLISHED`` and how long each sample's publishing took (s).
@@ -75,9 +81,17 @@ def main(scenario, culprit):
     strategy = safestrategy.make_multiworker_strategy()
 
     def value(x):
-        if armed["on"] and scenario == "all":
+        if armed["on"] and scenario in ("all", "stuck"):
             time.sleep(3600)
         return x
+
+    with strategy.scope():  # a metric's kind of variable: a checkpoint all-reduces it
+        counted = tf.Variable(
+            0.0,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+    saved = tf.train.Checkpoint(counted=counted)
 
     @tf.function
     def step(x):
@@ -100,6 +114,8 @@ def main(scenario, culprit):
     watched = watchdog._watched[-1]
     board = watchdog._board
     watchdog.watch(_env.resolve_stall(), watched.report, strategy, watched.place, board)
+    if scenario == "stuck":  # the seam: the canary's own all-reduce never answers
+        watchdog._rounds.collective = lambda number: time.sleep(3600)
     armed["on"] = True
     print("READY", os.getpid(), flush=True)
     if scenario == "steady":
@@ -125,10 +141,19 @@ def main(scenario, culprit):
             print("ROUND", number, "on" if publishing else "off", seconds, flush=True)
         print("PUBLISHED", " ".join(f"{seconds:.6f}" for seconds in spent), flush=True)
         os._exit(0)
+    fifo = os.path.join(os.environ["SAFESTRATEGY_CACHE_DIR"], "fifo")
     for number in range(100000):
         if scenario == "sleep" and index == culprit and number == 3:
             time.sleep(3600)  # the user's own Python, between steps
+        if scenario == "read" and index == culprit and number == 3:
+            os.makedirs(os.path.dirname(fifo), exist_ok=True)
+            os.mkfifo(fifo)
+            tf.io.read_file(fifo)  # an eager op that never returns: no one writes the FIFO
         step(next(data))
+        if scenario == "checkpoint":
+            if index == culprit and number == 3:
+                time.sleep(3600)  # late to the save every worker makes
+            saved.write(os.path.join(os.environ["SAFESTRATEGY_CACHE_DIR"], f"ckpt-{number}"))
 
 
 if __name__ == "__main__":

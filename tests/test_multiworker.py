@@ -158,6 +158,10 @@ def test_workers_that_disagree_are_told_so():
     other = {**same, "setting": ["forced", ["ring"]]}
     problem = agree.disagreement({"worker:0": same, "worker:1": other})
     assert "disagree on the communication setting" in problem and "worker:1: ['forced'" in problem
+    late = {**same, "stall_timeout": 600.0}
+    problem = agree.disagreement({"worker:0": {**same, "stall_timeout": 60.0}, "worker:1": late})
+    assert "disagree on the stall timeout (SAFESTRATEGY_STALL_TIMEOUT" in problem
+    assert "worker:0: 60.0; worker:1: 600.0" in problem  # both values, named
 
 
 # --- the rendezvous, as threads ---------------------------------------------------------
@@ -358,6 +362,9 @@ def test_the_hello_carries_the_remedy_a_record_was_made_under(tf, monkeypatch):
     hello = multiworker._hello(request, {"records": carried})
     sent = json.loads(json.dumps(hello))  # as the rendezvous carries it
     assert [r["remedy"] for r in sent["records"]] == [P2P]
+    assert sent["stall_timeout"] == 600.0  # the default: the workers compare it
+    monkeypatch.setenv("SAFESTRATEGY_STALL_TIMEOUT", "off")
+    assert multiworker._hello(request, {})["stall_timeout"] is None
     assert agree.after_records({"worker:0": {}, "worker:1": sent}) == [SHM]
 
 

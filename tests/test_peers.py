@@ -206,14 +206,16 @@ class Store:
     def put(self, key, value):
         self._wait()
         if key in self.values:
-            raise RuntimeError(f"AlreadyExistsError: key {key} already exists.")
+            raise type("AlreadyExistsError", (Exception,), {})(f"key {key} already exists.")
         self.values[key] = value
 
     def get(self, key, timeout_in_ms):
         self._wait()
-        if key not in self.values:
-            time.sleep(timeout_in_ms / 1000)
-            raise type("DeadlineExceededError", (Exception,), {})(key)
+        deadline = time.monotonic() + timeout_in_ms / 1000
+        while key not in self.values:  # as TF's: answered as soon as the key is written
+            if time.monotonic() >= deadline:
+                raise type("DeadlineExceededError", (Exception,), {})(key)
+            time.sleep(0.01)
         return self.values[key]
 
     def delete(self, key):
@@ -240,6 +242,62 @@ def test_the_board_publishes_over_and_over_and_hears_a_counter_change():
     zero.look()  # the same counter again: heard no later
     now[0] += 5
     assert zero.heard()["worker:1"].ago == 10.0 and zero.seen
+
+
+def test_time_this_worker_was_stopped_is_no_peers_silence():
+    store, now = Store(), [100.0]
+    zero, one = [Board(store.kv(), ["a", "b"], TASKS[:2], t, lambda: now[0]) for t in TASKS[:2]]
+    one.publish(1, peers.STEP, 1.0, "")
+    zero.look()
+    now[0] += 20  # worker:0 was SIGSTOPped for 20 s, then continued
+    zero.paused(20.0)
+    assert zero.heard()["worker:1"].ago == 0.0
+    assert zero.verdict(1.0).kind != GONE
+
+
+def test_a_worker_the_gone_leader_named_says_it_was_the_one_stopped():
+    store, now = Store(), [100.0]
+    zero, one = [Board(store.kv(), ["a", "b"], TASKS[:2], t, lambda: now[0]) for t in TASKS[:2]]
+    zero.publish(1, peers.STEP, 1.0, "")
+    one.publish(1, peers.STEP, 1.0, "")
+    zero.publish(-1, peers.STEP, 1.0, "", peers.Verdict(GONE, "worker:1", "worker:1 stopped"))
+    one.look()
+    store.frozen.set()  # the leader ended, and with it the service
+    one.call.bound = 0.2
+    now[0] += 30
+    one.look()
+    verdict = one.verdict(1.0)
+    assert verdict == peers.Verdict(
+        GONE, "worker:1", "worker:1 stopped answering (worker:0 said so as it ended)"
+    )  # the leader's verdict, not "worker:0 stopped answering": one verdict
+
+
+def test_a_beat_this_version_cannot_read_is_unknown_not_an_error():
+    assert Beat.from_json("{") is None
+    assert Beat.from_json(Beat("worker:1", "h", 1, "somewhere new", 1.0).to_json()) is None
+
+
+def test_the_first_beat_is_published_as_the_strategy_is_built_and_a_verdict_ends_with_its_stall(
+    monkeypatch,
+):
+    from safestrategy import _env
+    from safestrategy.report import Report
+    from safestrategy.training import sampler, watchdog
+
+    monkeypatch.setattr(watchdog, "_board", None)
+    monkeypatch.setattr(watchdog, "_watched", [])
+    store = Store()
+    zero, one = [Board(store.kv(), ["a", "b"], TASKS[:2], t) for t in TASKS[:2]]
+    report = Report(backend="ring", source="auto", mode="auto", devices=("/device:CPU:0",),
+                    platform="Linux", tf_version="2.21.0", tf_api="tf.distribute",
+                    candidates=(), task="worker:1", workers=2)  # fmt: skip
+    watchdog.watch(_env.StallSettings(None, "warn"), report, None, None, one)
+    zero.look()
+    assert zero.heard()["worker:1"].beat.where == peers.OUTSIDE  # before any sample
+    one.said = peers.Verdict(HELD, "worker:0", "worker:0 holds the others back")
+    finished = sampler.Event(sampler.FINISHED, 1, sampler.Watched(None, sampler.OP, 0.0), 30.0)
+    watchdog._handle(finished, _env.StallSettings(5.0, "warn"))
+    assert one.said is None  # its later beats say no verdict: a later stall draws its own
 
 
 def test_a_frozen_service_bounds_every_call_and_the_peers_are_unseen():
@@ -278,7 +336,7 @@ def stalled(processes, outputs, culprit):
 
 
 def verdict_of(text):
-    found = re.search(r"^(worker:\d .*|every worker is inside the same step.*)\.$", text, re.M)
+    found = re.search(r"^(worker:\d .*|every worker .*|no worker .*)\.$", text, re.M)
     return found.group(1) if found else text[-3000:]
 
 
@@ -310,18 +368,77 @@ def test_a_sigstopped_worker_stopped_answering(seeing, tmp_path):
         os.kill(processes[1].pid, signal.SIGSTOP)
         errors = stalled(processes, outputs, 1)
     assert processes[0].returncode == 75, errors[0][-3000:]
-    assert re.match(r"worker:1 stopped answering \d+ s ago$", verdict_of(errors[0])), errors[0]
+    said = verdict_of(errors[0])
+    assert re.match(r"worker:1 did not join the canary round in \d+ s: it is frozen or gone "
+                    r"\(it stopped answering \d+ s ago\)$", said), errors[0]  # fmt: skip
+    assert records.every(str(tmp_path / "c0")) == []
+
+
+def gone_or_aborted(text, task):
+    """Whether ``text`` names ``task`` gone: the round's verdict, or TensorFlow's own abort
+    that came first (API.md: frozen or killed peers are usually decided first by it)."""
+    return bool(re.search(rf"^({task} did not join the canary round|training stopped: {task} "
+                          "stopped answering)", text, re.M))  # fmt: skip
 
 
 @needs_tf
-def test_every_worker_inside_the_same_step_is_recorded_against_the_communication(seeing, tmp_path):
+@pytest.mark.skipif(os.name != "posix", reason="SIGKILL is POSIX")
+def test_a_worker_killed_while_away_is_gone_not_holding_the_others_back(seeing, tmp_path):
+    with workers(tmp_path, "sleep", 1, 2) as (processes, outputs):
+        time.sleep(STALL / 2)  # away (asleep between steps), then killed before any verdict
+        os.kill(processes[1].pid, signal.SIGKILL)
+        errors = stalled(processes, outputs, 1)
+    assert gone_or_aborted(errors[0], "worker:1"), errors[0][-3000:]
+    assert "holds the others back" not in errors[0]
+    assert records.every(str(tmp_path / "c0")) == []
+
+
+@needs_tf
+def test_every_worker_stuck_in_its_step_while_the_canary_answers_is_the_program(seeing, tmp_path):
     with workers(tmp_path, "all", -1, 2) as (processes, outputs):
         errors = stalled(processes, outputs, -1)
     for index in (0, 1):
         assert processes[index].returncode == 75, errors[index][-3000:]
-        assert verdict_of(errors[index]).startswith("every worker is inside the same step")
+        said = verdict_of(errors[index])
+        assert said.startswith("every worker is inside the step, and the communication answers")
+        assert "the all-reduce answered in" in errors[index]
+        assert "Not recorded against ring: its all-reduce answers" in errors[index]
+        assert records.every(str(tmp_path / f"c{index}")) == []
+
+
+@needs_tf
+def test_a_canary_that_does_not_answer_on_every_worker_is_recorded(seeing, tmp_path):
+    with workers(tmp_path, "stuck", -1, 2) as (processes, outputs):
+        errors = stalled(processes, outputs, -1)
+    for index in (0, 1):
+        assert processes[index].returncode == 75, errors[index][-3000:]
+        said = verdict_of(errors[index])
+        assert said.startswith("every worker joined the canary round, and the all-reduce itself "
+                               "did not answer"), said  # fmt: skip
         (record,) = [s for _, _, s in records.every(str(tmp_path / f"c{index}"))]
-        assert record.cause.startswith("every worker is inside the same step")
+        assert record.evidence == "canary" and record.cause.startswith("every worker joined")
+
+
+@needs_tf
+@pytest.mark.skipif(os.name != "posix", reason="a FIFO is POSIX")
+def test_a_worker_blocked_in_its_own_eager_read_holds_the_others_back(seeing, tmp_path):
+    with workers(tmp_path, "read", 1, 2) as (processes, outputs):
+        errors = stalled(processes, outputs, -1)
+    for index in (0, 1):  # the reader's own stall fires too: one verdict on both
+        assert processes[index].returncode == 75, errors[index][-3000:]
+        said = verdict_of(errors[index])
+        assert said.startswith("worker:1 holds the others back: "), said
+        assert records.every(str(tmp_path / f"c{index}")) == []
+
+
+@needs_tf
+def test_a_worker_late_to_a_checkpoint_holds_back_those_waiting_in_its_all_reduce(seeing, tmp_path):
+    with workers(tmp_path, "checkpoint", 1, 2) as (processes, outputs):
+        errors = stalled(processes, outputs, 1)
+    assert processes[0].returncode == 75, errors[0][-3000:]
+    said = verdict_of(errors[0])
+    assert said.startswith("worker:1 holds the others back: outside any TensorFlow call"), said
+    assert records.every(str(tmp_path / "c0")) == []
 
 
 @pytest.fixture
@@ -390,7 +507,7 @@ def test_an_abort_for_a_peer_gone_names_the_worker_tensorflow_names(error, task)
         assert lost is None
     else:
         text = lost.text
-        assert text.startswith(f"training stopped: {task} stopped answering")
+        assert text.startswith(f"training stopped: {task} ended before its first heartbeat")
         assert "workers:" in text and "Nothing is recorded" in text
 
 
@@ -446,7 +563,8 @@ def test_the_worker_an_abort_ends_first_names_the_killed_one_for_those_it_ends_n
         "information from remote target /job:worker/replica:0/task:2 while calling RecvBuf"
     )
     lost = hooks.lost_peer(leader, killed)
-    assert lost.verdict == peers.Verdict(GONE, "worker:2", "worker:2 stopped answering")
+    said = "worker:2 ended before its first heartbeat"  # it never published here
+    assert lost.verdict == peers.Verdict(GONE, "worker:2", said)
     leader.publish(-1, peers.STEP, 2.0, "", lost.verdict)
 
     def sampling():  # worker:1's watchdog: publish, then look, a sample every 0.3 s
@@ -471,7 +589,7 @@ def test_the_worker_an_abort_ends_first_names_the_killed_one_for_those_it_ends_n
     )
     assert peers.gone_in(unreachable, "worker:1") == "worker:0"
     text = hooks.lost_peer(one, unreachable).text
-    assert text.startswith("training stopped: worker:2 stopped answering"), text
+    assert text.startswith("training stopped: worker:2 ended before its first heartbeat"), text
 
 
 def test_a_peer_that_never_reads_is_waited_for_no_longer_than_the_bound():

@@ -12,7 +12,7 @@ the network: each path is tested from hand-built inputs.
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from .. import choose, records
-from .._env import ENV_COMMUNICATION, REMEDIES, Setting, untried
+from .._env import ENV_COMMUNICATION, ENV_STALL_TIMEOUT, REMEDIES, Setting, untried
 from ..backends import NCCL, NO_GPU, RING
 from ..checks.allreduce import from_reply, wrong_sums
 from ..checks.nccl import NO_KERNELS
@@ -41,6 +41,7 @@ def disagreement(hellos: Mapping[str, Hello]) -> Optional[str]:
     for field, what in (
         ("cluster", "the cluster in TF_CONFIG"),
         ("setting", f"the communication setting (communication= or {ENV_COMMUNICATION})"),
+        ("stall_timeout", f"the stall timeout ({ENV_STALL_TIMEOUT}; None: off)"),
     ):
         values = {task: hello.get(field) for task, hello in hellos.items()}
         if len({repr(value) for value in values.values()}) > 1:

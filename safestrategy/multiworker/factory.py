@@ -27,6 +27,7 @@ from .. import _env, _machine, _rundir, _tf, choose, records
 from .._env import (
     ENV_NCCL_REMEDIES,
     Setting,
+    StallSettings,
     resolve_communication,
     resolve_stall,
     resolve_switch,
@@ -43,8 +44,9 @@ from ..report import (
     Report,
     set_last_report,
 )
-from ..training import hooks, watchdog
+from ..training import hooks, publish, watchdog
 from ..training.board import Board
+from ..training.rounds import Rounds
 from . import agree, cluster
 from .cluster import Cluster
 from .rendezvous import MissingWorkersError, Rendezvous
@@ -172,6 +174,7 @@ def _hello(request: Request, facts: Mapping[str, Any]) -> Dict[str, Any]:
         "user_nccl": list(_env.user_remedies()),
         "remedies": request.remedies,
         "probe_port": _free_port(request.cluster.me.host),
+        "stall_timeout": resolve_stall().timeout,  # the rounds' bounds follow from it
     }
 
 
@@ -383,6 +386,20 @@ def _board(tf: Any, cluster: Cluster) -> Optional[Board]:
     return None
 
 
+def _rounds(
+    tf: Any, board: Optional[Board], report: Report, strategy: Any, settings: StallSettings
+) -> Optional[Rounds]:
+    """The canary rounds that judge a stall (training/rounds.py), over the same service as
+    ``board``; None where there is none (no board, or no eager raw collective)."""
+    kv, _ = _tf.coordination_kv(tf)
+    devices = list(getattr(strategy.extended, "worker_devices", ()))
+    if board is None or kv is None or not devices:
+        return None
+    timeout = settings.timeout or watchdog.stall_timeout()
+    hint = report.backend  # ring or nccl: the communication the step uses
+    return Rounds(kv, board.cluster, board.tasks, board.me, devices, hint, publish.joining, timeout)
+
+
 def _warn_keras3(tf_version: str) -> None:
     """:func:`keras3_warning` on this process, logged once per process."""
     global _keras_warned
@@ -461,7 +478,8 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     addresses = [str(address) for address in req.cluster.workers]
     place = records.on_worker(tf, addresses, req.cluster.task, report.backend in records.READ)
     board = _board(tf, req.cluster)
-    watchdog.watch(stall_settings, report, strategy, place, board)
+    rounds = _rounds(tf, board, report, strategy, stall_settings)
+    watchdog.watch(stall_settings, report, strategy, place, board, rounds)
     if board is not None:
         hooks.report_lost_peers()
     _rundir.decision(records.decision_entry(report, place, stall_settings.timeout))

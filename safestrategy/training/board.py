@@ -83,6 +83,7 @@ class Board:
     ):
         self.put, self.get, self.delete = kv[:3]
         self.probe = kv[3] if len(kv) > 3 else None  # check_collective_ops_peer_health
+        self.cluster = list(cluster)  #: every worker's address, in order
         self.prefix = f"{PREFIX}/{cluster_id(cluster)}"
         self.tasks, self.me, self.clock = list(tasks), me, clock
         self.host = socket.gethostname()
@@ -110,6 +111,15 @@ class Board:
             self.call(self.put, key, beat.to_json())
         self._heard(beat)
         return beat
+
+    def paused(self, seconds: float) -> None:
+        """This worker was stopped for ``seconds`` (SIGSTOP, a GIL held): its peers were not
+        silent for that long, so each one's last change moves on by as much."""
+        if seconds > 0:
+            self.last = {
+                task: (beat, when + seconds if task != self.me else when)
+                for task, (beat, when) in self.last.items()
+            }
 
     def _heard(self, beat: Beat) -> None:
         old = self.last.get(beat.task)
@@ -208,7 +218,11 @@ class Board:
         heard = self.heard()
         found = verdict(self.me, heard, interval, self.seen, leader, hold)
         said = self._said_by(found.task) if found.kind == GONE and found.task else None
-        if said is not None and said.kind == GONE and said.task in heard and said.task != self.me:
+        if said is not None and said.kind == GONE and said.task == self.me:
+            # it ended saying this worker was gone: this one was stopped, not it
+            line = f"{self.me} stopped answering ({found.task} said so as it ended)"
+            return Verdict(GONE, self.me, line)
+        if said is not None and said.kind == GONE and said.task in heard:
             # it ended because it saw that one gone first (the leader's exit ends them all)
             line = f"{named(heard[said.task], said.task)} ({found.task} saw it first)"
             return Verdict(GONE, said.task, line)

@@ -19,7 +19,7 @@ one thread per device, never inside a ``tf.function``.
 
 import threading
 import time
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Sequence
 
 from .. import backends
 from .._devices import parse_devices
@@ -79,6 +79,19 @@ def bound(timeout: float) -> float:
     return min(60.0, max(5.0 + 2 * interval(timeout), timeout / 10))
 
 
+def from_round(joins: Mapping[str, Any], seconds: float) -> Answer:
+    """What a multi-worker canary round showed (``joins``: each worker's
+    :class:`~safestrategy.training.peers.Join`, by task): the first worker's that did not
+    answer right (no answer in time: hung after ``seconds``), else answered, in the
+    slowest worker's time."""
+    for join in joins.values():
+        if join.kind != ANSWERED:
+            if join.kind in (FAILED, WRONG):
+                return Answer(join.kind, join.took, f"on {join.task}: {join.detail}")
+            return Answer(HUNG, join.took or seconds)
+    return Answer(ANSWERED, max((join.took for join in joins.values()), default=0.0))
+
+
 def unavailable(report: Report, strategy: Any) -> Optional[str]:
     """Why no canary can run for ``strategy`` (None: one can), from what is known without
     running anything."""
@@ -89,7 +102,7 @@ def unavailable(report: Report, strategy: Any) -> Optional[str]:
     if not report.candidates:
         return f"your own cross_device_ops ({report.backend}) is not one safestrategy can check"
     if report.task is not None:
-        return "multi-worker canary rounds are not in this version"
+        return "a multi-worker canary is a round every worker joins (training/rounds.py)"
     if len(report.devices) < 2:
         return "one device: no all-reduce"
     if report.backend not in (*KEYLESS, backends.COLLECTIVE):
@@ -143,27 +156,37 @@ def _allreduce(tf: Any, report: Report, strategy: Any) -> Optional[Values]:
 
 
 def _raw_collective(tf: Any, devices: Sequence[str]) -> Values:
-    """Eager ``CollectiveReduceV2`` on each of ``devices`` at once (one thread each), on a
-    group key no strategy uses and the implementation the strategy's collective uses."""
-    from tensorflow.python.ops import collective_ops
-
+    """Eager ``CollectiveReduceV2`` on each of ``devices`` at once, on a group key no
+    strategy uses and the implementation the strategy's collective uses."""
     implementation = backends.collective_live(tf, parse_devices(devices)).implementation
     group = backends.fresh_group_key()
+    return raw_allreduce(tf, devices, 0, len(devices), group, 1, implementation or "auto")
+
+
+def raw_allreduce(
+    tf: Any, devices: Sequence[str], first: int, size: int, group: int, instance: int, hint: str
+) -> Values:
+    """Eager ``CollectiveReduceV2`` on each of ``devices`` at once (one thread each, never
+    in a ``tf.function``): replica ``first + j`` (on device j) contributes ``first + j + 1``
+    to a group of ``size`` replicas; each device's ``(device, numbers)``. Raises the first
+    device's error. The caller bounds it (the canary's own thread is the one abandoned)."""
+    from tensorflow.python.ops import collective_ops
+
     results: List[Any] = [None] * len(devices)
 
-    def one(replica: int, device: str) -> None:
+    def one(index: int, device: str) -> None:
         try:
             with tf.device(device):
                 summed = collective_ops.all_reduce_v2(
-                    tf.fill([VECTOR_SIZE], float(replica + 1)),
-                    group_size=len(devices),
+                    tf.fill([VECTOR_SIZE], float(first + index + 1)),
+                    group_size=size,
                     group_key=group,
-                    instance_key=1,
-                    communication_hint=(implementation or "auto").lower(),
+                    instance_key=instance,
+                    communication_hint=hint.lower(),
                 )
-            results[replica] = (summed.device, summed.numpy().tolist())
+            results[index] = (summed.device, summed.numpy().tolist())
         except Exception as error:  # handed to the canary's thread
-            results[replica] = error
+            results[index] = error
 
     threads = [
         threading.Thread(target=one, args=pair, name="safestrategy-canary", daemon=True)
@@ -172,7 +195,7 @@ def _raw_collective(tf: Any, devices: Sequence[str]) -> Values:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()  # the canary's own thread is the one abandoned at the bound
+        thread.join()
     for result in results:
         if isinstance(result, Exception):
             raise result

@@ -147,6 +147,8 @@ def lost_peer(board: Board, error: str) -> Optional[Lost]:
     heard = board.heard().get(task) if task is not None else None
     ago = f" {heard.ago:.0f} s ago" if heard is not None and heard.ago is not None else ""
     who = f"{task} stopped answering{ago}" if task else "a worker stopped answering"
+    if heard is not None and heard.beat is None:
+        who = f"{task} ended before its first heartbeat"
     text = (
         f"training stopped: {who}: TensorFlow aborted the collectives ({quoted}).\n"
         f"workers:\n{table}\n"

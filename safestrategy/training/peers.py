@@ -23,6 +23,8 @@ import re
 import sysconfig
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from .canary import ANSWERED, FAILED, HUNG, WRONG
+
 #: Multi-worker: the collectives were aborted because a peer is gone: TF's health check
 #: ("is down"), the coordination service (a peer "stopped sending heartbeats"), or the
 #: transport to a peer that died ("Socket closed" from a remote target, the coordination
@@ -95,11 +97,40 @@ class Beat(NamedTuple):
 
     @classmethod
     def from_json(cls, text: str) -> Optional["Beat"]:
-        try:
-            data = json.loads(text)
-            return cls(**{name: data[name] for name in cls._fields if name in data})
-        except (ValueError, TypeError, KeyError):
-            return None
+        return _from_json(cls, text)
+
+
+def _from_json(cls: Any, text: str) -> Any:
+    """A ``cls`` from its JSON; None where this version cannot read it (a newer version's,
+    or a damaged one): the caller says "unknown"."""
+    try:
+        data = json.loads(text)
+        found = cls(**{name: data[name] for name in cls._fields if name in data})
+    except (ValueError, TypeError, KeyError):
+        return None
+    return found if found.where in WHERE else None
+
+
+class Join(NamedTuple):
+    """What one worker said as it joined a canary round (:mod:`~safestrategy.training.rounds`),
+    as of that moment: where its threads were, and whether its main thread's call runs the
+    strategy's collectives; then what its canary all-reduce showed."""
+
+    task: str
+    where: str  #: one of :data:`WHERE`
+    at: str  #: the user's line, where known
+    seconds: float  #: for how long it has been there
+    inside: bool  #: its main thread is in a call that runs the strategy's collectives
+    kind: str = ""  #: its canary's answer (:data:`~safestrategy.training.canary.KINDS`); "": none
+    took: float = 0.0  #: seconds its canary took
+    detail: str = ""  #: the canary's error or wrong sum
+
+    def to_json(self) -> str:
+        return json.dumps(self._asdict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Optional["Join"]:
+        return _from_json(cls, text)
 
 
 class Heard(NamedTuple):
@@ -113,12 +144,14 @@ class Heard(NamedTuple):
 class Verdict(NamedTuple):
     """What holds the workers back, the same on every worker."""
 
-    kind: str  #: "stuck", "held", "gone" or "unseen"
+    kind: str  #: "stuck", "held", "gone", "program" or "unseen"
     task: Optional[str]  #: the worker it names ("held", "gone")
     line: str  #: the sentence every worker says
 
 
 STUCK, HELD, GONE, UNSEEN = "stuck", "held", "gone", "unseen"
+#: every worker is inside the step and the canary answers: the program, not the communication
+PROGRAM = "program"
 
 
 def _sign(filename: str, name: str) -> Optional[str]:
@@ -212,7 +245,10 @@ def named(heard: Heard, task: str) -> str:
     """What the verdict says of ``task`` when it is not heard any more."""
     beat = heard.beat
     if beat is None:
-        return f"{task} was never heard from (no safestrategy factory, or its watchdog off)"
+        return (
+            f"{task} was never heard from: it ended before its first heartbeat (said as its "
+            "strategy is built), or runs no safestrategy factory"
+        )
     return f"{task} stopped answering {heard.ago:.0f} s ago"
 
 
@@ -266,6 +302,58 @@ def verdict(
     if not waiting:
         return Verdict(HELD, task, f"no worker is in the all-reduce: {task} is {what}")
     return Verdict(HELD, task, f"{task} holds the others back: {what}")
+
+
+def judged(
+    tasks: Sequence[str], joins: Mapping[str, Join], heard: Mapping[str, Heard], waited: float
+) -> Verdict:
+    """The verdict of a canary round, the same on every worker: ``joins`` is what each
+    worker that joined said (by task), ``heard`` the beats as of now (they say why one did
+    not join), ``waited`` how long the round was waited for.
+
+    A worker that did not join is frozen or gone. Every worker joined and the all-reduce
+    did not answer right: the communication is stuck. It answered: a worker whose main
+    thread is in no call that runs the strategy's collectives holds the others back (one
+    running its Python in a ``py_function`` while the others wait, too); every worker
+    inside such a call is the program, not the communication."""
+    for task in tasks:
+        if task not in joins:
+            one = heard.get(task, Heard(None, None))
+            line = f"{task} did not join the canary round in {waited:.0f} s: it is frozen or gone"
+            if one.beat is None:
+                line += " (never heard from)"
+            elif one.ago is not None and one.ago >= 1:
+                line += f" (it stopped answering {one.ago:.0f} s ago)"
+            return Verdict(GONE, task, line)
+    bad = next((joins[t] for t in tasks if joins[t].kind != ANSWERED), None)
+    if bad is not None:
+        said = _SAID.get(bad.kind, "did not answer")
+        detail = f" ({bad.detail})" if bad.detail else ""
+        line = f"every worker joined the canary round, and the all-reduce itself {said}"
+        line += f" on {bad.task}{detail}: the communication (or a device) is stuck"
+        return Verdict(STUCK, None, line)
+    away = [t for t in tasks if not joins[t].inside]
+    python = [t for t in tasks if joins[t].where == PY_FUNCTION]
+    culprits = away or (python if len(python) < len(tasks) else [])
+    if culprits:
+        join = joins[culprits[0]]
+        at = f" ({join.at})" if join.at else ""
+        what = f"{WHERE[join.where]} for {join.seconds:.0f} s{at}"
+        if len(away) == len(tasks):
+            line = f"no worker is in the all-reduce: {join.task} is {what}"
+        else:
+            line = f"{join.task} holds the others back: {what}"
+        return Verdict(HELD, join.task, line)
+    line = "every worker is inside the step, and the communication answers: the step is stuck in "
+    line += "the program"
+    if not python:
+        line += " (a native op inside one worker's step, or mismatched collectives: cannot tell "
+        line += "which worker)"
+    return Verdict(PROGRAM, None, line)
+
+
+#: What a round's canary showed, as the verdict says it.
+_SAID = {HUNG: "did not answer", FAILED: "failed", WRONG: "summed wrong"}
 
 
 def table(me: str, heard: Mapping[str, Heard]) -> str:

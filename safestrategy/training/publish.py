@@ -10,6 +10,7 @@ it holds them back. A worker that ends on a verdict says it in its last beat
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from typing import Any, Mapping, Optional, Tuple
@@ -17,7 +18,8 @@ from typing import Any, Mapping, Optional, Tuple
 from .. import _env
 from . import peers
 from .board import BOUND, Board
-from .sampler import interval, is_library
+from .collectives import runs_collectives
+from .sampler import calls, interval, is_library, ours
 
 logger = logging.getLogger("safestrategy")
 
@@ -29,6 +31,7 @@ class Here:
     back."""
 
     where: Optional[str] = None
+    at = ""
     call: Any = None  #: the frame marking the call (:class:`~safestrategy.training.peers.Where`)
     since = 0.0
     said = False
@@ -58,6 +61,8 @@ def publish(
         Here.where, Here.call, Here.since, Here.said = where, call, now, False
     else:
         Here.since += stopped
+    Here.at = at
+    board.paused(stopped)  # time this worker was stopped is no peer's silence
     board.publish(sample, where, now - Here.since, at)
     board.look()
     if Here.said or where not in peers.AWAY or settings.timeout is None:
@@ -80,6 +85,33 @@ def publish(
             verdict.line.replace(f"{board.me} ", f"this worker ({board.me}) ", 1),
             peers.table(board.me, heard),
         )
+
+
+def again(board: Board, sample: int) -> None:
+    """Say again where this worker is (a new sample number): as the strategy is built
+    (its first beat), and while the sampling thread waits for a canary round (a worker
+    judging a stall is not one that stopped answering)."""
+    with contextlib.suppress(Exception):  # before any sample: outside any call yet
+        here = Here.where or peers.OUTSIDE
+        board.publish(sample, here, time.monotonic() - Here.since, Here.at)
+
+
+def joining() -> Tuple[str, str, float, bool]:
+    """Where this worker is as it joins a canary round (the rounds' listener asks): where
+    its threads are, at which user line, for how long, and whether its main thread's call
+    runs the strategy's collectives (:mod:`~safestrategy.training.collectives`)."""
+    frames = sys._current_frames()
+    for ident in ours():
+        frames.pop(ident, None)
+    main = threading.main_thread().ident
+    where, at, _ = peers.whereabouts(frames, calls(frames), main, is_library)
+    seconds = time.monotonic() - Here.since if where == Here.where else 0.0
+    # the main thread's call, or a thread it waits on (a checkpoint's reduction runs
+    # its collectives on a pool's threads)
+    inside = runs_collectives(frames.get(main)) or any(
+        runs_collectives(frame, graphs=False) for frame in frames.values()
+    )
+    return where, at, seconds, inside
 
 
 def last_word(board: Board, verdict: peers.Verdict, timeout: float, wait: bool) -> None:

@@ -12,6 +12,7 @@ TensorFlow: frames in, calls and events out.
 import fnmatch
 import os
 import re
+import threading
 import traceback
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
@@ -189,3 +190,10 @@ def calls(frames: Mapping[int, Any]) -> Dict[int, Tuple[Any, str]]:
         if call is not None:
             seen[thread] = call
     return seen
+
+
+def ours() -> List[int]:
+    """safestrategy's own threads (``safestrategy-*``: its checks, canaries, rounds, the
+    watchdog): never the training's."""
+    found = (t.ident for t in threading.enumerate() if t.name.startswith("safestrategy-"))
+    return [ident for ident in found if ident is not None]

@@ -25,9 +25,11 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 from .. import _env, _rundir, records
 from ..checks import probe
+from ..checks.allreduce import in_fresh_thread
 from ..report import Report
 from . import canary, peers, publish
 from .board import Board
+from .rounds import Rounds
 from .sampler import (
     FINISHED,
     INPUT,
@@ -38,6 +40,7 @@ from .sampler import (
     calls,
     interval,
     is_library,
+    ours,
     stack_text,
     stopped_for,
 )
@@ -68,6 +71,8 @@ _watched: List[Strategy] = []
 _written: Dict[int, Strategy] = {}
 #: Multi-worker: where this worker says it is, to its peers (None: one machine).
 _board: Optional[Board] = None
+#: Multi-worker: the canary rounds this worker joins and asks for (None: none can run).
+_rounds: Optional[Rounds] = None
 
 
 def held(strategy: Any) -> Callable[[], Any]:
@@ -84,16 +89,24 @@ def watch(
     strategy: Any = None,
     place: Optional[records.Place] = None,
     board: Optional[Board] = None,
+    rounds: Optional[Rounds] = None,
 ) -> None:
     """Watch this process for ``strategy`` (the factories call this): the thread starts
     once; the latest settings apply. ``place``: where a stall of it is recorded (None:
     nowhere, e.g. a forced backend, one device, the cache off). ``board``: multi-worker,
-    where this worker publishes its whereabouts and reads its peers' (the latest wins)."""
-    global _thread, _settings, _board
+    where this worker publishes its whereabouts and reads its peers' (the latest wins);
+    ``rounds``: the canary rounds that judge a multi-worker stall (the latest wins)."""
+    global _thread, _settings, _board, _rounds
     with _lock:
         _settings = settings
         if board is not None:
             _board = board
+        if rounds is not None:
+            _rounds = rounds
+        if _rounds is not None and settings.timeout is not None:
+            _rounds.set_timeout(settings.timeout)
+        if board is not None:  # the first beat, as the strategy is built
+            publish.again(board, next(_samples))
         _watched[:] = [w for w in _watched if w.ref() is not None]
         _watched.append(Strategy(held(strategy), report, place))
         if settings.timeout is None or (_thread is not None and _thread.is_alive()):
@@ -150,6 +163,8 @@ def outside_allreduce(kind: str, frame: Any, watched: Sequence[Strategy]) -> boo
 
 
 _beats = itertools.count(1)
+#: The watchdog's samples, and the beats said again while a canary round is waited for.
+_samples = itertools.count(1)
 
 
 def _beat(inside: bool) -> None:
@@ -161,7 +176,8 @@ def _beat(inside: bool) -> None:
 def _run() -> None:
     me = threading.get_ident()
     state: Dict[int, Watched] = {}
-    for sample in itertools.count(1):
+    while True:
+        sample = next(_samples)
         settings = _settings
         if settings is None or settings.timeout is None:
             return  # turned off; watch() starts a new thread when it is turned on
@@ -170,7 +186,8 @@ def _run() -> None:
         time.sleep(pause)
         now = time.monotonic()
         frames = sys._current_frames()
-        frames.pop(me, None)
+        for ident in (me, *ours()):  # a canary waiting on a frozen peer is not a stall
+            frames.pop(ident, None)
         seen = calls(frames)
         _beat(inside=bool(seen))
         stopped = stopped_for(now - before, pause)
@@ -243,23 +260,25 @@ def _handle(
         )
         if written is not None and written.place is not None:
             records.withdraw(written.place, written.report.backend)
+        if _board is not None:  # the stall is over: so is the verdict its beats said
+            _board.said = None
         return
     watched = _distinct()
     culprit = _owner(frame, watched)
     outside = outside_allreduce(event.watched.kind, frame, watched)
     board, drawn = _board, None
-    if board is not None and culprit is not None and culprit.report.task is not None:
-        verdict = board.verdict(interval(settings.timeout), publish.hold(settings.timeout))
-        drawn = verdict, peers.table(board.me, board.heard())
     thread = _thread_name(event.thread)
+    first = headline(event.seconds, event.watched.kind, thread, settings)
     answer, where = None, ""
-    if culprit is not None and not outside and culprit.report.task is None:
-        first = headline(event.seconds, event.watched.kind, thread, settings)
+    if board is not None and culprit is not None and culprit.report.task is not None:
+        drawn, answer = _round(board, first, settings)
+        where = _where(frames) if drawn[0].kind == peers.PROGRAM else ""
+    elif culprit is not None and not outside:
         answer = _canary(culprit, first, settings.timeout)
         where = _where(frames)
-    if culprit is not None:  # records only what is the all-reduce's doing
+    if culprit is not None:  # records only what the canary shows is the all-reduce's doing
         peer = drawn is not None and drawn[0].kind in (peers.HELD, peers.GONE)
-        convicted = answer is None or answer.convicts  # multi-worker: the peers' verdict
+        convicted = answer is None or answer.convicts
         culprit = culprit._replace(
             place=records.recordable(culprit.place, outside, peer, convicted)
         )
@@ -281,15 +300,57 @@ def _handle(
     )
     if drawn is not None and board is not None:  # the last beat says it, for the peers
         publish.last_word(board, drawn[0], settings.timeout, wait=settings.action == "exit")
-    cause = drawn[0].line if drawn is not None and drawn[0].kind == peers.STUCK else ""
     evidence = "canary" if answer is not None and answer.convicts else ""
-    stalled(text, culprit, event.seconds, answer.said() if evidence else cause, evidence)
+    cause = drawn[0].line if drawn is not None else answer.said() if evidence else ""
+    stalled(text, culprit, event.seconds, cause if evidence else "", evidence)
     recorded = culprit is not None and culprit.place is not None
     if recorded:
         _written[event.thread] = culprit
     tell_run(event.watched.kind, outside, recorded, drawn[0] if drawn is not None else None, answer)
     if settings.action == "exit":
         _exit()
+
+
+def _round(
+    board: Board, first: str, settings: _env.StallSettings
+) -> Tuple[Tuple[peers.Verdict, str], Optional[canary.Answer]]:
+    """Multi-worker: the verdict every worker draws from a canary round (the latest, if
+    a peer asked for it a moment ago, else a new one), with the workers' table, and what
+    the canary showed (None: a worker is gone, which no all-reduce shows). Where no round
+    can run, the beats' verdict, and no canary: nothing is recorded on a guess."""
+    rounds, timeout = _rounds, settings.timeout or stall_timeout()
+    found: Optional[Any] = None
+    if rounds is not None:
+        rounds.set_timeout(timeout)
+        wait = rounds.join_bound + rounds.bound
+        logger.error("%s Asking every worker to run a canary all-reduce (at most %g s).",
+                     first, round(wait, 1))  # fmt: skip
+
+        def tick() -> None:  # on this thread: the board is never called from two
+            _beat(inside=True)
+            publish.again(board, next(_samples))
+            board.look()
+
+        late = 2 * interval(timeout) + 1.0  # as the beats' verdict counts a worker gone
+
+        def silent(task: str) -> bool:
+            ago = board.heard().get(task)
+            return ago is not None and ago.ago is not None and ago.ago > late
+
+        def ask() -> Any:
+            return rounds.ask(2 * interval(timeout), silent)
+
+        with contextlib.suppress(Exception):  # no round is no evidence, never a crash
+            found = in_fresh_thread(ask, wait + 2, tick, every=0.5)
+    board.look()
+    heard = board.heard()
+    if found is None:
+        why = "no canary round could be run" if rounds is not None else "no canary rounds here"
+        verdict = board.verdict(interval(timeout), publish.hold(timeout))
+        return (verdict, peers.table(board.me, heard)), canary.Answer(canary.NONE, 0.0, why)
+    verdict = peers.judged(board.tasks, found.joins, heard, found.waited)
+    answer = canary.from_round(found.joins, rounds.bound) if verdict.kind != peers.GONE else None
+    return (verdict, peers.table(board.me, heard)), answer
 
 
 def _canary(culprit: Strategy, first: str, timeout: float) -> canary.Answer:
