@@ -1,7 +1,7 @@
 """Which worker holds the others back: trials of every injected case, 2 and 3 workers.
 
     PYTHONPATH=. .nox/tf221/bin/python benchmarks/peers_trials.py [--trials 20]
-        [--workers 2 3] [--cases input sleep stop kill all] [--stall 5]
+        [--workers 2 3] [--cases input sleep stop kill all stuck read checkpoint] [--stall 5]
 
 Each trial starts fresh workers on 127.0.0.1 (tests/peers_worker.py: RING on CPUs,
 ``SAFESTRATEGY_STALL_ACTION=exit``), injects the case on worker k (k turns over every
@@ -10,14 +10,21 @@ worker, the coordination service's leader included), and reads every worker's lo
 - ``input`` (k's input pipeline blocks), ``sleep`` (k sleeps in its own Python between
   steps): every worker that stalls says ``worker:k holds the others back``, and k says
   ``this worker (worker:k) holds the others back`` or that verdict itself;
+- ``read`` (k blocks in an eager file read outside its step), ``checkpoint`` (k is late to
+  a checkpoint of an ``ON_READ`` variable the others wait in): ``worker:k holds the
+  others back``;
 - ``stop`` (SIGSTOP), ``kill`` (SIGKILL), two samples after READY: every other worker says
-  ``worker:k stopped answering``;
-- ``all`` (every worker's step blocks): every worker says ``every worker is inside the
-  same step``.
+  ``worker:k did not join the canary round`` (or ``worker:k stopped answering``: where
+  TensorFlow's abort came first, or k is the leader, whose service then answers no one);
+- ``all`` (every worker's step blocks in a ``py_function``): every worker says ``every
+  worker is inside the step, and the communication answers``;
+- ``stuck`` (as ``all``, and the canary's own all-reduce hangs: a stuck communication):
+  ``every worker joined the canary round, and the all-reduce itself did not answer``.
 
 A trial is right when every worker says the right thing within the stall timeout + two
-samples (the ERROR's "no progress for N s"). Prints right/trials per case and size,
-and the slowest time to the verdict. Not a timed test: minutes per case.
+samples (the ERROR's "no progress for N s") and a record was written on every worker
+for ``stuck`` and on none otherwise. Prints right/trials per case and size, and the
+slowest time to the verdict. Not a timed test: minutes per case.
 """
 
 import argparse
@@ -31,9 +38,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from safestrategy import records
 from tests import peers_worker
 
-CASES = ("input", "sleep", "stop", "kill", "all")
+CASES = ("input", "sleep", "stop", "kill", "all", "stuck", "read", "checkpoint")
+#: Cases whose culprit's own verdict is not waited for (it is stopped, or it sleeps).
+QUIET = ("stop", "kill", "checkpoint")
 NAMED = re.compile(r"no progress for (\d+) s")
 
 
@@ -41,13 +51,15 @@ def expected(case, culprit, index):
     """What worker ``index`` must say, or None when it says nothing (a stopped culprit)."""
     name = f"worker:{culprit}"
     if case == "all":
-        return "every worker is inside the same step"
+        return "every worker is inside the step, and the communication answers"
+    if case == "stuck":
+        return "every worker joined the canary round, and the all-reduce itself did not answer"
     if index == culprit:
-        if case in ("stop", "kill"):
+        if case in QUIET:
             return None
         return f"this worker ({name}) holds the others back|{name} holds the others back"
     if case in ("stop", "kill"):
-        return f"{name} stopped answering"
+        return f"{name} did not join the canary round|{name} stopped answering"
     return f"{name} holds the others back"
 
 
@@ -74,7 +86,7 @@ def trial(case, count, culprit, stall, where):
             os.kill(processes[culprit].pid, signal.SIGSTOP if case == "stop" else signal.SIGKILL)
             started = time.monotonic()
         deadline = started + stall * 6 + 30
-        waiting = {i for i in range(count) if case == "all" or i != culprit}
+        waiting = {i for i in range(count) if case in ("all", "stuck", "read") or i != culprit}
         ended = {}
         while waiting - set(ended) and time.monotonic() < deadline:
             for index in waiting - set(ended):
@@ -91,6 +103,10 @@ def trial(case, count, culprit, stall, where):
                 time.sleep(0.1)
         logs = [err.read_text() for _, err in outputs]
     slowest, wrong = 0.0, []
+    for index in range(count):
+        written = records.every(str(where / f"c{index}"))
+        if bool(written) != (case == "stuck") and expected(case, culprit, index) is not None:
+            wrong.append(f"worker {index}: {len(written)} records")
     for index, text in enumerate(logs):
         want = expected(case, culprit, index)
         if want is None:

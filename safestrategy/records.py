@@ -308,16 +308,27 @@ def recorded(
         return ()
     mine = _key(tf, devices, None)
     stalls: List[Stall] = []
+    forgotten: List[str] = []
     for key, value in _cache.entries(where, KIND):
         if {**key, "backend": None} != mine:
             continue
-        if refresh:
-            _cache.remove(where, KIND, key)
-            continue
         try:
-            stalls.append(Stall(**value))
+            stall: Optional[Stall] = Stall(**value)
         except TypeError:
             logger.debug("stall record %r has the wrong fields; ignored", value)
+            stall = None
+        if refresh:
+            _cache.remove(where, KIND, key)
+            forgotten.append(stall.line() if stall is not None else "an unreadable record")
+        elif stall is not None:
+            stalls.append(stall)
+    if forgotten:  # the user asked for it: say what is gone, each one
+        logger.warning(
+            "--refresh forgot %d record%s of these devices:\n%s",
+            len(forgotten),
+            "" if len(forgotten) == 1 else "s",
+            "\n".join(f"  {line}" for line in forgotten),
+        )
     return tuple(stalls)
 
 

@@ -165,11 +165,15 @@ def test_launch_after_launch_on_records_never_ends_without_a_backend(tf):
 
 
 @needs_tf
-def test_refresh_forgets_the_stalls(tf):
+def test_refresh_forgets_the_stalls_and_says_which(tf, caplog):
     recorded_stall(tf, "hierarchical_copy")
-    assert safestrategy.probe(CPUS).stalls
+    recorded_stall(tf, "reduce_to_cpu")
+    assert len(safestrategy.probe(CPUS).stalls) == 2
     factory._decisions.clear()
     assert factory.decide(CPUS, refresh=True)[0].stalls == ()
+    said = [r.getMessage() for r in caplog.records if "--refresh forgot" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("--refresh forgot 2 records of these devices")
+    assert "hierarchical_copy" in said[0] and "reduce_to_cpu" in said[0]  # each one named
     factory._decisions.clear()
     assert safestrategy.probe(CPUS).stalls == ()
 

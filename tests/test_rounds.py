@@ -141,9 +141,11 @@ def join(task, where=STEP, inside=True, kind="answered"):
         ([join("worker:0"), join("worker:1", kind="failed"), join("worker:2")], STUCK, None,
          "the all-reduce itself failed on worker:1"),
         ([join("worker:0"), join("worker:2")], GONE, "worker:1", "worker:1 did not join"),
+        ([join("worker:0"), join("worker:1", STEP, False), join("worker:2")], HELD, "worker:1",
+         "worker:1 holds the others back: in a TensorFlow call of its own, outside"),
     ],
     ids=["native-op", "every-py-function", "one-py-function", "checkpoint", "input", "failed",
-         "missing"],
+         "missing", "own-call"],
 )  # fmt: skip
 def test_a_round_draws_one_verdict(joins, kind, task, says):
     verdict = peers.judged(TASKS, {j.task: j for j in joins}, {}, 6.0)

@@ -34,6 +34,7 @@ PEER_GONE = (
     "check alive failed",
     "heartbeat",
     "coordination service",
+    "CoordinationService/Heartbeat",  # a frozen leader: its heartbeats' RPCs time out
     "Socket closed",
     "Connection reset by peer",
     "failed to connect to all addresses",
@@ -319,7 +320,8 @@ def judged(
     for task in tasks:
         if task not in joins:
             one = heard.get(task, Heard(None, None))
-            line = f"{task} did not join the canary round in {waited:.0f} s: it is frozen or gone"
+            within = f" in {waited:.0f} s" if waited >= 1 else ""  # its beats had stopped
+            line = f"{task} did not join the canary round{within}: it is frozen or gone"
             if one.beat is None:
                 line += " (never heard from)"
             elif one.ago is not None and one.ago >= 1:
@@ -338,7 +340,8 @@ def judged(
     if culprits:
         join = joins[culprits[0]]
         at = f" ({join.at})" if join.at else ""
-        what = f"{WHERE[join.where]} for {join.seconds:.0f} s{at}"
+        where = WHERE[join.where] if join.where != STEP or join.inside else OWN_CALL
+        what = f"{where} for {join.seconds:.0f} s{at}"
         if len(away) == len(tasks):
             line = f"no worker is in the all-reduce: {join.task} is {what}"
         else:
@@ -352,6 +355,9 @@ def judged(
     return Verdict(PROGRAM, None, line)
 
 
+#: A worker in a TensorFlow call that runs none of the strategy's collectives (an eager
+#: read, its own evaluation), as a verdict says it.
+OWN_CALL = "in a TensorFlow call of its own, outside the strategy's collectives"
 #: What a round's canary showed, as the verdict says it.
 _SAID = {HUNG: "did not answer", FAILED: "failed", WRONG: "summed wrong"}
 

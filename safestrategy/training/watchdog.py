@@ -29,7 +29,7 @@ from ..checks.allreduce import in_fresh_thread
 from ..report import Report
 from . import canary, peers, publish
 from .board import Board
-from .rounds import Rounds
+from .rounds import Round, Rounds
 from .sampler import (
     FINISHED,
     INPUT,
@@ -319,38 +319,47 @@ def _round(
     the canary showed (None: a worker is gone, which no all-reduce shows). Where no round
     can run, the beats' verdict, and no canary: nothing is recorded on a guess."""
     rounds, timeout = _rounds, settings.timeout or stall_timeout()
-    found: Optional[Any] = None
-    if rounds is not None:
-        rounds.set_timeout(timeout)
-        wait = rounds.join_bound + rounds.bound
-        logger.error("%s Asking every worker to run a canary all-reduce (at most %g s).",
-                     first, round(wait, 1))  # fmt: skip
-
-        def tick() -> None:  # on this thread: the board is never called from two
-            _beat(inside=True)
-            publish.again(board, next(_samples))
-            board.look()
-
-        late = 2 * interval(timeout) + 1.0  # as the beats' verdict counts a worker gone
-
-        def silent(task: str) -> bool:
-            ago = board.heard().get(task)
-            return ago is not None and ago.ago is not None and ago.ago > late
-
-        def ask() -> Any:
-            return rounds.ask(2 * interval(timeout), silent)
-
-        with contextlib.suppress(Exception):  # no round is no evidence, never a crash
-            found = in_fresh_thread(ask, wait + 2, tick, every=0.5)
+    if rounds is None:
+        found, why = None, "no canary rounds here (no coordination service or eager collective)"
+    elif not board.seen:  # its leader frozen or gone: a round would only wait
+        found, why = None, "no canary round can run: TensorFlow's coordination service is silent"
+    else:
+        found, why = _ask(board, rounds, first, timeout), "the canary round could not be asked for"
     board.look()
     heard = board.heard()
-    if found is None:
-        why = "no canary round could be run" if rounds is not None else "no canary rounds here"
+    if found is None or rounds is None:
         verdict = board.verdict(interval(timeout), publish.hold(timeout))
         return (verdict, peers.table(board.me, heard)), canary.Answer(canary.NONE, 0.0, why)
     verdict = peers.judged(board.tasks, found.joins, heard, found.waited)
     answer = canary.from_round(found.joins, rounds.bound) if verdict.kind != peers.GONE else None
     return (verdict, peers.table(board.me, heard)), answer
+
+
+def _ask(board: Board, rounds: Rounds, first: str, timeout: float) -> Optional[Round]:
+    """Ask for a round and gather it, on a thread of its own: meanwhile this thread keeps
+    beating and looking (the board is never called from two threads), and a worker whose
+    beats stopped is not waited for to join. None: no round (never raises)."""
+    rounds.set_timeout(timeout)
+    wait = rounds.join_bound + rounds.bound
+    logger.error("%s Asking every worker to run a canary all-reduce (at most %g s).",
+                 first, round(wait, 1))  # fmt: skip
+    late = 2 * interval(timeout) + 1.0  # as the beats' verdict counts a worker gone
+
+    def tick() -> None:
+        _beat(inside=True)
+        publish.again(board, next(_samples))
+        board.look()
+
+    def silent(task: str) -> bool:
+        ago = board.heard().get(task)
+        return ago is not None and ago.ago is not None and ago.ago > late
+
+    try:
+        return in_fresh_thread(
+            lambda: rounds.ask(2 * interval(timeout), silent), wait + 2, tick, 0.5
+        )
+    except Exception:  # no round is no evidence, never a crash
+        return None
 
 
 def _canary(culprit: Strategy, first: str, timeout: float) -> canary.Answer:
