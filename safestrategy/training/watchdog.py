@@ -278,7 +278,7 @@ def _handle(
         where = _where(frames)
     if culprit is not None:  # records only what the canary shows is the all-reduce's doing
         peer = drawn is not None and drawn[0].kind in (peers.HELD, peers.GONE)
-        convicted = answer is None or answer.convicts
+        convicted = answer is not None and answer.convicts  # only the canary convicts
         culprit = culprit._replace(
             place=records.recordable(culprit.place, outside, peer, convicted)
         )
@@ -301,8 +301,8 @@ def _handle(
     if drawn is not None and board is not None:  # the last beat says it, for the peers
         publish.last_word(board, drawn[0], settings.timeout, wait=settings.action == "exit")
     evidence = "canary" if answer is not None and answer.convicts else ""
-    cause = drawn[0].line if drawn is not None else answer.said() if evidence else ""
-    stalled(text, culprit, event.seconds, cause if evidence else "", evidence)
+    cause = (drawn[0].line if drawn is not None else answer.said()) if evidence else ""
+    stalled(text, culprit, event.seconds, cause, evidence)
     recorded = culprit is not None and culprit.place is not None
     if recorded:
         _written[event.thread] = culprit
