@@ -282,10 +282,11 @@ def test_the_first_beat_is_published_as_the_strategy_is_built_and_a_verdict_ends
 ):
     from safestrategy import _env
     from safestrategy.report import Report
-    from safestrategy.training import sampler, watchdog
+    from safestrategy.training import publish, sampler, watchdog
 
     monkeypatch.setattr(watchdog, "_board", None)
     monkeypatch.setattr(watchdog, "_watched", [])
+    monkeypatch.setattr(publish, "Here", type("_Here", (publish.Here,), {}))
     store = Store()
     zero, one = [Board(store.kv(), ["a", "b"], TASKS[:2], t) for t in TASKS[:2]]
     report = Report(backend="ring", source="auto", mode="auto", devices=("/device:CPU:0",),
@@ -293,7 +294,8 @@ def test_the_first_beat_is_published_as_the_strategy_is_built_and_a_verdict_ends
                     candidates=(), task="worker:1", workers=2)  # fmt: skip
     watchdog.watch(_env.StallSettings(None, "warn"), report, None, None, one)
     zero.look()
-    assert zero.heard()["worker:1"].beat.where == peers.OUTSIDE  # before any sample
+    first = zero.heard()["worker:1"].beat
+    assert first.where == peers.OUTSIDE and first.seconds == 0.0  # before any sample
     one.said = peers.Verdict(HELD, "worker:0", "worker:0 holds the others back")
     finished = sampler.Event(sampler.FINISHED, 1, sampler.Watched(None, sampler.OP, 0.0), 30.0)
     watchdog._handle(finished, _env.StallSettings(5.0, "warn"))

@@ -92,8 +92,14 @@ def again(board: Board, sample: int) -> None:
     (its first beat), and while the sampling thread waits for a canary round (a worker
     judging a stall is not one that stopped answering)."""
     with contextlib.suppress(Exception):  # before any sample: outside any call yet
-        here = Here.where or peers.OUTSIDE
-        board.publish(sample, here, time.monotonic() - Here.since, Here.at)
+        board.publish(sample, Here.where or peers.OUTSIDE, _seconds(), Here.at)
+
+
+def _seconds() -> float:
+    """For how long this worker has been where it last said: none before its first
+    sample (a beat at build saying "outside since the clock's epoch" reads, to a peer
+    whose step the dead worker's abort ends, as a worker holding it back for hours)."""
+    return time.monotonic() - Here.since if Here.where is not None else 0.0
 
 
 def joining() -> Tuple[str, str, float, bool]:
@@ -119,8 +125,7 @@ def last_word(board: Board, verdict: peers.Verdict, timeout: float, wait: bool) 
     every peer still answering up to two samples to read it: the worker this exit ends
     next (every one, when this is the leader) then names the same culprit, not this one."""
     with contextlib.suppress(Exception):  # the peers are an explanation, never a hold-up
-        here = Here.where or peers.STEP
-        board.publish(-1, here, time.monotonic() - Here.since, "", verdict)
+        board.publish(-1, Here.where or peers.STEP, _seconds(), "", verdict)
         if wait:
             ended = [verdict.task] if verdict.kind == peers.GONE and verdict.task else []
             board.read_by_peers(2 * interval(timeout) + BOUND, ended)
