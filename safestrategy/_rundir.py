@@ -11,7 +11,8 @@ without the variable:
   devices, mode, where a record of it goes, whether a next decision reads it and
   if not why, the cache directory the training reads);
 - ``heartbeat-<pid>``: rewritten by the watchdog thread at each sample, a counter
-  and whether some thread is inside a TensorFlow call; ``finished`` at a normal exit;
+  and whether some thread is inside a TensorFlow call, and whether that call runs the
+  strategy's collectives; ``finished`` at a normal exit;
 - ``stall-<pid>.json``: a stall the watchdog reported (where it was, whether it
   was recorded against a backend);
 - ``error-<pid>``: the last lines of an uncaught exception (its type and message, as
@@ -78,9 +79,26 @@ def decision(entry: Mapping[str, Any]) -> None:
     install()
 
 
-def heartbeat(counter: int, inside: bool) -> None:
-    """The watchdog's sample number, and whether some thread is inside a TF call."""
-    _write("heartbeat", f"{counter} {'inside' if inside else 'outside'}\n")
+#: Where a heartbeat puts the training: in no TF call; in a TF call of its own work (an
+#: evaluation, a file read); in a call that runs the strategy's collectives.
+OUTSIDE, INSIDE, COLLECTIVES = "outside", "inside", "collectives"
+
+
+def heartbeat(counter: int, where: str) -> None:
+    """The watchdog's sample number, and where it found the training
+    (:data:`OUTSIDE`, :data:`INSIDE`, :data:`COLLECTIVES`)."""
+    _write("heartbeat", f"{counter} {where}\n")
+
+
+def in_call(beat: str) -> bool:
+    """Whether heartbeat ``beat`` puts some thread inside a TF call (of any kind)."""
+    return beat.endswith((f" {INSIDE}", f" {COLLECTIVES}"))
+
+
+def in_collectives(beat: str) -> bool:
+    """Whether heartbeat ``beat`` puts the call in the strategy's collectives: only then
+    is a silent launch or a crash inside it the all-reduce's (API.md, 0.5.2)."""
+    return beat.endswith(f" {COLLECTIVES}")
 
 
 def stalled(entry: Mapping[str, Any]) -> None:

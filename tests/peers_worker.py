@@ -9,6 +9,7 @@ turns it on and the workers step until one of:
 - ``sleep``: worker CULPRIT sleeps in its own Python between steps;
 - ``input``: worker CULPRIT's input pipeline (a generator) blocks;
 - ``stop``: nothing here: the test SIGSTOPs worker CULPRIT after ``READY``;
+- ``interrupt``: nothing here: the test sends worker CULPRIT SIGINT (its user's Ctrl-C);
 - ``all``: every worker's step blocks in a ``py_function`` (the same step);
 - ``stuck``: as ``all``, and the canary rounds' all-reduce hangs too (the seam of a
   stuck communication: the canary is the only evidence the watchdog takes);

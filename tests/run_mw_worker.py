@@ -42,7 +42,7 @@ def inside_a_call():
     """Whether this process's heartbeat says a thread is inside a TF call now (read as
     ``run`` reads it)."""
     beat = _rundir.heartbeats(os.environ["SAFESTRATEGY_RUN_DIR"]).get(os.getpid(), "")
-    return beat.endswith("inside")
+    return _rundir.in_call(beat)
 
 
 def value(step):

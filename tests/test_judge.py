@@ -61,7 +61,7 @@ def test_the_relaunch_line_says_what_the_next_decision_does():
     crashed = judge.Ended(-6, 42.0)
 
     def why(**entry):
-        return judge.judge(crashed, launch([decided(**entry)], "3 inside"), no_record).why
+        return judge.judge(crashed, launch([decided(**entry)], "3 collectives"), no_record).why
 
     tail = "(killed by SIGABRT) (recorded); the next decision "
     after_p2p = why(task="worker:1", place=WORKER, remedy=P2P, next_remedies=[SHM])
@@ -100,7 +100,7 @@ def test_a_decision_entry_lists_the_remedies_a_next_decision_retries(monkeypatch
 def test_an_allreduce_death_inside_a_tf_call_is_a_crash_record_and_a_relaunch():
     for returncode in (-6, 134, -11, 135):  # SIGABRT, SIGSEGV: as a signal or from a shell
         verdict = judge.judge(
-            judge.Ended(returncode, 42.0), launch([decided()], "17 inside"), no_record
+            judge.Ended(returncode, 42.0), launch([decided()], "17 collectives"), no_record
         )
         assert verdict.relaunch and verdict.record.kind == "crash"
         assert verdict.record.cause.startswith("killed by SIG") and verdict.record.seconds == 42.0
@@ -108,6 +108,40 @@ def test_an_allreduce_death_inside_a_tf_call_is_a_crash_record_and_a_relaunch():
     error = "InternalError: ncclUnhandledCudaError: Call to CUDA function failed."
     verdict = judge.judge(judge.Ended(1, 9.0), launch([decided()], "3 inside", error), no_record)
     assert verdict.relaunch and verdict.record.cause == error and verdict.code == 1
+
+
+def test_a_peer_its_user_stopped_ends_the_run_without_a_relaunch():
+    worker = decided(
+        task="worker:0", place={"kind": records.MULTIWORKER_KIND, "key": {}}, read=False
+    )
+    line = "worker:1 was stopped by its user"
+    stopped = {"where": "step", "outside": False, "recorded": False, "verdict": "stopped",
+               "culprit": "worker:1", "line": line}  # fmt: skip
+    aborted = "UnavailableError: Collective ops is aborted by: Socket closed"
+    verdict = judge.judge(
+        judge.Ended(1, 30.0), launch([worker], "3 collectives", aborted, "", [stopped]), a_record
+    )
+    assert (verdict.relaunch, verdict.record, verdict.code) == (False, None, 1)
+    assert verdict.why == f"{line}: nothing recorded, and a relaunch would wait for it"
+
+
+def test_a_silence_or_a_crash_in_a_tf_call_of_its_own_is_not_the_allreduce():
+    """The last heartbeat put the call in none of the strategy's collectives (an
+    evaluation, a file read): neither recorded nor relaunched (0.5.2, 2b)."""
+    silent = judge.judge(
+        judge.Ended(-9, 30.0, starved=True), launch([decided()], "8 inside"), no_record
+    )
+    crashed = judge.judge(judge.Ended(-6, 5.0), launch([decided()], "9 inside"), no_record)
+    for verdict in (silent, crashed):
+        assert not verdict.relaunch and verdict.record is None
+        assert judge.OWN_WORK in verdict.why
+    assert silent.code == 75 and "another backend would wait the same way" in silent.why
+    assert crashed.code == 134 and crashed.why.startswith("killed by SIGABRT in a TensorFlow")
+    # the fault dump says more than no heartbeat, never more than the last heartbeat
+    after = judge.judge(
+        judge.Ended(-6, 5.0), launch([decided()], "9 inside", fault=FAULT), a_record
+    )
+    assert after.record is None
 
 
 def test_what_no_record_can_cure_is_not_relaunched():
@@ -134,7 +168,7 @@ def test_a_signal_to_run_a_silent_child_and_a_gone_peer():
     )
     assert (signalled.relaunch, signalled.code) == (False, 143)
     silent = judge.judge(
-        judge.Ended(-9, 30.0, starved=True), launch([decided()], "8 inside"), no_record
+        judge.Ended(-9, 30.0, starved=True), launch([decided()], "8 collectives"), no_record
     )
     assert silent.relaunch and silent.code == 75 and silent.record.kind == "stall"
     worker = decided(

@@ -41,11 +41,11 @@ sys.path.insert(0, {root!r})
 from safestrategy import _rundir
 os.environ.get("SAFESTRATEGY_RUN_DIR") or sys.exit("no run dir")
 _rundir.decision({{"backend": "reduce_to_cpu", "devices": ["/device:CPU:0", "/device:CPU:1"]}})
-_rundir.heartbeat(7, inside=True)
+_rundir.heartbeat(7, _rundir.COLLECTIVES)
 if sys.argv[1] == "grandchild":
     import subprocess
     code = "import sys; sys.path.insert(0, {root!r}); from safestrategy import _rundir; "
-    subprocess.run([sys.executable, "-c", code + "_rundir.heartbeat(99, True)"])
+    subprocess.run([sys.executable, "-c", code + "_rundir.heartbeat(99, _rundir.COLLECTIVES)"])
 raise ValueError("the last words")
 """
 
@@ -72,7 +72,7 @@ def test_the_child_leaves_its_decision_heartbeat_and_error_and_a_grandchild_writ
     (launch_dir,) = (tmp_path / "cache" / "runs").glob("*/launch-1")  # launch 1
     left = _rundir.read(str(launch_dir))
     assert [d["backend"] for d in left.decisions] == ["reduce_to_cpu"]
-    assert list(left.beats.values()) in ([_rundir.FINISHED], ["7 inside"])
+    assert list(left.beats.values()) in ([_rundir.FINISHED], ["7 collectives"])
     assert left.error.strip() == "ValueError: the last words"
     assert len(list(launch_dir.glob("heartbeat-*"))) == 1  # the grandchild's 99 went nowhere
     assert not list(launch_dir.glob("fault-*"))  # no empty dump left by a normal exit
@@ -493,7 +493,7 @@ backend = "hierarchical_copy" if first else "reduce_to_cpu"
 _rundir.decision({{"backend": backend, "devices": ["/cpu:0", "/cpu:1"], "mode": "list",
                    "place": {{"kind": place.kind, "key": dict(place.key)}}, "read": True,
                    "unread": None, "cache": cache, "remedy": {{}}, "stall_timeout": 600}})
-_rundir.heartbeat(1, inside=True)
+_rundir.heartbeat(1, _rundir.COLLECTIVES)
 print("TRAINING", backend, os.getppid() != int(os.environ["RUN_PID"]), flush=True)
 if first and sys.argv[1] == "stall":
     records.record(place, backend, 5.0, {{}})

@@ -42,7 +42,7 @@ _rundir.decision({{"backend": "reduce_to_cpu", "devices": ["/cpu:0", "/cpu:1"],
                    "stall_timeout": 1.0}})
 print("CHILD", os.getpid(), flush=True)
 for tick in range(30):
-    _rundir.heartbeat(tick, inside=True)
+    _rundir.heartbeat(tick, _rundir.COLLECTIVES)
     time.sleep(0.1)
 print("DONE", flush=True)
 """

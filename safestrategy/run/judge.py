@@ -15,7 +15,7 @@ from .. import _rundir, records
 from .._env import EXIT_STALL
 from ..records import Place
 from ..report import Stall
-from ..training.peers import PEER_GONE
+from ..training.peers import GONE, HELD, PEER_GONE, STOPPED
 from ..training.sampler import in_tf_call
 
 #: Deaths that are a crash when a thread was inside a TensorFlow call.
@@ -33,6 +33,10 @@ ALLREDUCE_ERRORS = (
 #: Signals that end a process from outside (a user, a scheduler, the OOM killer).
 OUTSIDE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGKILL)
 NOT_CURABLE = "not an all-reduce failure: a relaunch would fail the same way"
+#: The workers' verdicts (the watchdog's ``verdict``) that name a peer as the cause.
+PEER_VERDICTS = (HELD, GONE, STOPPED)
+#: Where a last heartbeat put a call that runs none of the strategy's collectives.
+OWN_WORK = "in a TensorFlow call of its own (one that runs none of the strategy's collectives)"
 
 
 class Ended(NamedTuple):
@@ -134,7 +138,12 @@ def judge(
     remedy = dict(entry.get("remedy") or {})  # type: ignore[call-overload]
     readable = place is not None and place.read
     then = records.next_step(place, backend, remedy, entry.get("next_remedies"))
+    beat = launch.beat(entry.get("pid")) or ""
     if ended.starved:
+        if not _rundir.in_collectives(beat):
+            why = f"training went silent on {backend} {OWN_WORK}: nothing recorded, and "
+            why += "another backend would wait the same way"
+            return Verdict(False, EXIT_STALL, ending, why)
         if not readable:
             why = f"training went silent on {backend}, and no record can help "
             why += f"({_unreadable(entry)})"
@@ -142,7 +151,10 @@ def judge(
         record = Record(place, backend, ended.seconds, remedy, "stall", "", cache)  # type: ignore[arg-type]
         why = f"training went silent on {backend} (recorded); {then}"
         return Verdict(True, EXIT_STALL, f"silent on {backend}", why, record)
-    peers = next((s for s in launch.stalls if s.get("verdict") in ("held", "gone")), None)
+    peers = next((s for s in launch.stalls if s.get("verdict") in PEER_VERDICTS), None)
+    if peers is not None and peers.get("verdict") == STOPPED:
+        why = f"{peers.get('line')}: nothing recorded, and a relaunch would wait for it"
+        return Verdict(False, code, "a peer was stopped", why)
     held = peers is not None and peers.get("verdict") == "held"
     if peers is not None and (ended.returncode == EXIT_STALL or held):  # a worker's cause
         line = str(peers.get("line"))
@@ -178,13 +190,16 @@ def judge(
         why += then
         return Verdict(True, code, f"stalled on {backend}", why)
     crash = _signal_of(ended.returncode, CRASH_SIGNALS)
-    beat = launch.beat(entry.get("pid")) or ""
-    inside = beat.endswith("inside") or (beat != _rundir.FINISHED and in_tf_call(launch.fault))
+    # the first step's crash, before any heartbeat: the fault dump's stack is all there is
+    inside = _rundir.in_collectives(beat) or (not beat and in_tf_call(launch.fault))
     peer = _line_with(launch.error, PEER_GONE) if entry.get("task") is not None else None
     if peer is not None:
         return Verdict(True, code, "peer gone", f"a peer is gone ({peer}); nothing recorded")
     if crash is not None and inside:
         cause: Optional[str] = f"killed by {_signal_name(crash)}"
+    elif crash is not None and _rundir.in_call(beat):
+        why = f"killed by {_signal_name(crash)} {OWN_WORK}: {NOT_CURABLE}"
+        return Verdict(False, code, ending, why)
     else:
         cause = _line_with(launch.error, ALLREDUCE_ERRORS)
     if cause is None:

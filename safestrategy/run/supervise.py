@@ -91,7 +91,7 @@ class _Beats:
             return False
         limit = self.timeout + self.grace
         return any(
-            beat.endswith("inside") and now - self.changed[pid] > limit
+            _rundir.in_call(beat) and now - self.changed[pid] > limit
             for pid, beat in self.last.items()
         )
 

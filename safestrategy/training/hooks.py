@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Optional
 from .. import records
 from ..report import Report
 from . import peers, publish
-from .board import Board
+from .board import BOUND, Board
 from .sampler import STEP, interval, is_library
 from .watchdog import (
     Strategy,
@@ -90,7 +90,9 @@ def report_lost_peers() -> None:
 
     def hook(kind: Any, error: BaseException, trace: Any) -> None:
         board = current_board()
-        if board is not None:
+        if board is not None and issubclass(kind, KeyboardInterrupt):
+            stopped_by_user(board)
+        elif board is not None:
             try:
                 lost = lost_peer(board, f"{kind.__name__}: {error}")
                 if lost is not None:
@@ -102,6 +104,24 @@ def report_lost_peers() -> None:
         before(kind, error, trace)
 
     sys.excepthook = hook
+
+
+def stopped_by_user(board: Board) -> None:
+    """This worker's user stopped it (Ctrl-C): say so in its last beat, so that the peers
+    its exit ends say why and are not relaunched to wait for it (they would, the probe
+    timeout and a stall timeout long). The leader's exit ends the service: it waits, at
+    most two samples, for its peers to read it first."""
+    leader = board.tasks[:1] == [board.me]
+    timeout = stall_timeout()
+    if leader:
+        logger.warning(
+            "%s was stopped by its user: telling the other workers (at most %.0f s; "
+            "Ctrl-C again ends it now)",
+            board.me,
+            2 * interval(timeout) + BOUND,
+        )
+    verdict = peers.Verdict(peers.STOPPED, board.me, f"{board.me} was stopped by its user")
+    publish.last_word(board, verdict, timeout, wait=leader)
 
 
 class Lost(NamedTuple):
@@ -135,6 +155,15 @@ def lost_peer(board: Board, error: str) -> Optional[Lost]:
             f"training stopped: {told.line}; the workers that waited ended on that stall, "
             f"and TensorFlow aborted the collectives ({quoted}).\nworkers:\n{table}\n"
             "Nothing is recorded on this worker."
+        )
+        return Lost(text, told)
+    if told is not None and told.kind == peers.STOPPED:
+        tell_run(STEP, False, False, told)
+        text = (
+            f"training stopped: {told.line} (Ctrl-C), and TensorFlow aborted the "
+            f"collectives ({quoted}).\nworkers:\n{table}\nNothing is recorded, and `python "
+            "-m safestrategy run` does not relaunch this worker: it would wait for one that "
+            "is not coming back."
         )
         return Lost(text, told)
     if told is not None and told.kind == peers.GONE and told.task not in (None, board.me):

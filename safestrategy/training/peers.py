@@ -145,12 +145,15 @@ class Heard(NamedTuple):
 class Verdict(NamedTuple):
     """What holds the workers back, the same on every worker."""
 
-    kind: str  #: "stuck", "held", "gone", "program" or "unseen"
-    task: Optional[str]  #: the worker it names ("held", "gone")
+    kind: str  #: "stuck", "held", "gone", "stopped", "program" or "unseen"
+    task: Optional[str]  #: the worker it names ("held", "gone", "stopped")
     line: str  #: the sentence every worker says
 
 
 STUCK, HELD, GONE, UNSEEN = "stuck", "held", "gone", "unseen"
+#: a worker its user stopped (Ctrl-C) said so as it ended: its peers end on it, and no
+#: ``run`` relaunches them to wait for a worker that is not coming back
+STOPPED = "stopped"
 #: every worker is inside the step and the canary answers: the program, not the communication
 PROGRAM = "program"
 

@@ -29,6 +29,7 @@ from ..checks.allreduce import in_fresh_thread
 from ..report import Report
 from . import canary, peers, publish
 from .board import Board
+from .collectives import runs_collectives
 from .rounds import Round, Rounds
 from .sampler import (
     FINISHED,
@@ -167,10 +168,29 @@ _beats = itertools.count(1)
 _samples = itertools.count(1)
 
 
-def _beat(inside: bool) -> None:
-    """A heartbeat, under `run` only (it judges silence): each sample's, and each second
-    of a canary's wait, which must not read as a silent process."""
-    _rundir.heartbeat(next(_beats), inside)
+#: Where the last heartbeat put the training (said again while a canary is waited for).
+_last_where = [_rundir.OUTSIDE]
+
+
+def _beat(where: Optional[str] = None) -> None:
+    """A heartbeat, under `run` only (it judges silence and whose a death is): each
+    sample's, ``where`` it found the training; and each second of a canary's wait, the
+    last one's again (the wait must not read as a silent process)."""
+    if where is not None:
+        _last_where[0] = where
+    _rundir.heartbeat(next(_beats), _last_where[0])
+
+
+def _heard_where(seen: Mapping[int, Any], frames: Mapping[int, Any]) -> str:
+    """Where a sample found the training, for ``run``: in no TF call, in its own TF work,
+    or in a call that runs the strategy's collectives (read only under ``run``, each graph
+    once: :mod:`~safestrategy.training.collectives`)."""
+    if not seen:
+        return _rundir.OUTSIDE
+    if _rundir.directory() is None:  # no heartbeat is written: nothing to read for
+        return _rundir.INSIDE
+    inside = any(runs_collectives(frames.get(ident)) for ident in seen)
+    return _rundir.COLLECTIVES if inside else _rundir.INSIDE
 
 
 def _run() -> None:
@@ -189,7 +209,11 @@ def _run() -> None:
         for ident in (me, *ours()):  # a canary waiting on a frozen peer is not a stall
             frames.pop(ident, None)
         seen = calls(frames)
-        _beat(inside=bool(seen))
+        try:
+            _beat(_heard_where(seen, frames))
+        except Exception:  # a graph that cannot be read is own work, never a stop
+            logger.debug("stall watchdog: reading the call's graphs failed", exc_info=True)
+            _beat(_rundir.INSIDE)
         stopped = stopped_for(now - before, pause)
         state, events = advance(state, seen, now, settings.timeout, stopped)
         board = _board
@@ -346,7 +370,7 @@ def _ask(board: Board, rounds: Rounds, first: str, timeout: float) -> Optional[R
     late = 2 * interval(timeout) + 1.0  # as the beats' verdict counts a worker gone
 
     def tick() -> None:
-        _beat(inside=True)
+        _beat()
         publish.again(board, next(_samples))
         board.look()
 
@@ -374,7 +398,7 @@ def _canary(culprit: Strategy, first: str, timeout: float) -> canary.Answer:
         "%s Checking whether the all-reduce itself answers (at most %g s).", first, seconds
     )
     tf = sys.modules["tensorflow"]
-    return canary.run(tf, culprit.report, strategy, seconds, lambda: _beat(inside=True))
+    return canary.run(tf, culprit.report, strategy, seconds, _beat)
 
 
 def _where(frames: Mapping[int, Any]) -> str:
