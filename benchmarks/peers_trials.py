@@ -1,7 +1,8 @@
 """Which worker holds the others back: trials of every injected case, 2 and 3 workers.
 
     PYTHONPATH=. .nox/tf221/bin/python benchmarks/peers_trials.py [--trials 20]
-        [--workers 2 3] [--cases input sleep stop kill all stuck read checkpoint] [--stall 5]
+        [--workers 2 3] [--cases input sleep stop kill interrupt all stuck read checkpoint]
+        [--stall 5]
 
 Each trial starts fresh workers on 127.0.0.1 (tests/peers_worker.py: RING on CPUs,
 ``SAFESTRATEGY_STALL_ACTION=exit``), injects the case on worker k (k turns over every
@@ -16,6 +17,8 @@ worker, the coordination service's leader included), and reads every worker's lo
 - ``stop`` (SIGSTOP), ``kill`` (SIGKILL), two samples after READY: every other worker says
   ``worker:k did not join the canary round`` (or ``worker:k stopped answering``: where
   TensorFlow's abort came first, or k is the leader, whose service then answers no one);
+- ``interrupt`` (SIGINT, as a terminal's Ctrl-C, two samples after READY): every other
+  worker says ``training stopped: worker:k was stopped by its user``;
 - ``all`` (every worker's step blocks in a ``py_function``): every worker says ``every
   worker is inside the step, and the communication answers``;
 - ``stuck`` (as ``all``, and the canary's own all-reduce hangs: a stuck communication):
@@ -41,9 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from safestrategy import records
 from tests import peers_worker
 
-CASES = ("input", "sleep", "stop", "kill", "all", "stuck", "read", "checkpoint")
+CASES = ("input", "sleep", "stop", "kill", "interrupt", "all", "stuck", "read", "checkpoint")
 #: Cases whose culprit's own verdict is not waited for (it is stopped, or it sleeps).
-QUIET = ("stop", "kill", "checkpoint")
+QUIET = ("stop", "kill", "interrupt", "checkpoint")
+#: Cases started by a signal to the culprit, and the signal.
+SIGNALS = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL, "interrupt": signal.SIGINT}
 NAMED = re.compile(r"no progress for (\d+) s")
 
 
@@ -58,6 +63,8 @@ def expected(case, culprit, index):
         if case in QUIET:
             return None
         return f"this worker ({name}) holds the others back|{name} holds the others back"
+    if case == "interrupt":
+        return f"training stopped: {name} was stopped by its user"
     if case in ("stop", "kill"):
         return f"{name} did not join the canary round|{name} stopped answering"
     return f"{name} holds the others back"
@@ -73,17 +80,17 @@ def fail(why):
 
 def trial(case, count, culprit, stall, where):
     """One trial: (right, seconds from the trouble to the slowest verdict, what was wrong).
-    The trouble starts at READY (input, sleep, all) or at the signal (stop, kill); a
-    worker's verdict is timed by its ERROR's "no progress for N s", or, where TensorFlow
-    aborted its collectives first (a peer killed), by when it ended."""
+    The trouble starts at READY (input, sleep, all) or at the signal (stop, kill,
+    interrupt); a worker's verdict is timed by its ERROR's "no progress for N s", or,
+    where TensorFlow aborted its collectives first (a peer killed), by when it ended."""
     with peers_worker.cluster(where, case, culprit, count, stall, 240, fail) as (
         processes,
         outputs,
     ):
         started = time.monotonic()
-        if case in ("stop", "kill"):
+        if case in SIGNALS:
             time.sleep(2 * stall / 5 + 0.5)  # two samples: its peers have heard it step
-            os.kill(processes[culprit].pid, signal.SIGSTOP if case == "stop" else signal.SIGKILL)
+            os.kill(processes[culprit].pid, SIGNALS[case])
             started = time.monotonic()
         deadline = started + stall * 6 + 30
         waiting = {i for i in range(count) if case in ("all", "stuck", "read") or i != culprit}
