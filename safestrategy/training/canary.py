@@ -62,7 +62,7 @@ class Answer(NamedTuple):
         if self.kind == ANSWERED:
             return f"the all-reduce answered in {_duration(self.seconds)}"
         if self.kind == HUNG:
-            return f"the all-reduce itself did not answer in {self.seconds:g} s"
+            return f"the all-reduce itself did not answer in {_duration(self.seconds)}"
         if self.kind == FAILED:
             return f"the all-reduce itself failed ({self.detail})"
         if self.kind == WRONG:
