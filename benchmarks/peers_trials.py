@@ -18,7 +18,8 @@ worker, the coordination service's leader included), and reads every worker's lo
   ``worker:k did not join the canary round`` (or ``worker:k stopped answering``: where
   TensorFlow's abort came first, or k is the leader, whose service then answers no one);
 - ``interrupt`` (SIGINT, as a terminal's Ctrl-C, two samples after READY): every other
-  worker says ``training stopped: worker:k was stopped by its user``;
+  worker says ``worker:k was stopped by its user`` (TensorFlow's abort, or a round k's
+  teardown did not let it join);
 - ``all`` (every worker's step blocks in a ``py_function``): every worker says ``every
   worker is inside the step, and the communication answers``;
 - ``stuck`` (as ``all``, and the canary's own all-reduce hangs: a stuck communication):
@@ -64,7 +65,7 @@ def expected(case, culprit, index):
             return None
         return f"this worker ({name}) holds the others back|{name} holds the others back"
     if case == "interrupt":
-        return f"training stopped: {name} was stopped by its user"
+        return f"{name} was stopped by its user"
     if case in ("stop", "kill"):
         return f"{name} did not join the canary round|{name} stopped answering"
     return f"{name} holds the others back"

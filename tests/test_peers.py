@@ -592,6 +592,10 @@ def test_a_worker_its_user_stopped_is_named_so_by_the_peer_its_exit_aborts(monke
     stopped = peers.Verdict(peers.STOPPED, "worker:1", "worker:1 was stopped by its user")
     assert lost.verdict == stopped and told == [stopped]
     assert lost.text.startswith("training stopped: worker:1 was stopped by its user (Ctrl-C)")
+    # a round the stopped worker did not join (its exit hung in teardown): stopped, not gone
+    missing = peers.Verdict(GONE, "worker:1", "worker:1 did not join the canary round")
+    assert leader.passed_on(missing) == stopped
+    assert leader.passed_on(peers.Verdict(GONE, "worker:0", "x")).kind == GONE
 
 
 def test_the_worker_an_abort_ends_first_names_the_killed_one_for_those_it_ends_next(

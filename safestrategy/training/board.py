@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .peers import GONE, Beat, Heard, Verdict, named, verdict
+from .peers import GONE, STOPPED, Beat, Heard, Verdict, named, verdict
 
 #: Keys live under one prefix per cluster: ``safestrategy/peers/<cluster id>/<task>``.
 PREFIX = "safestrategy/peers"
@@ -215,9 +215,15 @@ class Board:
         """:func:`verdict` from what this board heard (the leader: the cluster's first); a
         worker gone that said, as it ended, that another was gone first passes it on."""
         leader = self.tasks[0] if self.answered and self.tasks else None
+        return self.passed_on(verdict(self.me, self.heard(), interval, self.seen, leader, hold))
+
+    def passed_on(self, found: Verdict) -> Verdict:
+        """``found``, or, where it names a worker gone, what that worker said as it ended:
+        that its user stopped it, or that another was gone first."""
         heard = self.heard()
-        found = verdict(self.me, heard, interval, self.seen, leader, hold)
         said = self._said_by(found.task) if found.kind == GONE and found.task else None
+        if said is not None and said.kind == STOPPED and said.task == found.task:
+            return said  # its user stopped it (Ctrl-C): not a worker frozen or lost
         if said is not None and said.kind == GONE and said.task == self.me:
             # it ended saying this worker was gone: this one was stopped, not it
             line = f"{self.me} stopped answering ({found.task} said so as it ended)"

@@ -301,7 +301,7 @@ def _handle(
         answer = _canary(culprit, first, settings.timeout)
         where = _where(frames)
     if culprit is not None:  # records only what the canary shows is the all-reduce's doing
-        peer = drawn is not None and drawn[0].kind in (peers.HELD, peers.GONE)
+        peer = drawn is not None and drawn[0].kind in (peers.HELD, peers.GONE, peers.STOPPED)
         convicted = answer is not None and answer.convicts  # only the canary convicts
         culprit = culprit._replace(
             place=records.recordable(culprit.place, outside, peer, convicted)
@@ -354,8 +354,9 @@ def _round(
     if found is None or rounds is None:
         verdict = board.verdict(interval(timeout), publish.hold(timeout))
         return (verdict, peers.table(board.me, heard)), canary.Answer(canary.NONE, 0.0, why)
-    verdict = peers.judged(board.tasks, found.joins, heard, found.waited)
-    answer = canary.from_round(found.joins, rounds.bound) if verdict.kind != peers.GONE else None
+    verdict = board.passed_on(peers.judged(board.tasks, found.joins, heard, found.waited))
+    gone = verdict.kind in (peers.GONE, peers.STOPPED)
+    answer = None if gone else canary.from_round(found.joins, rounds.bound)
     return (verdict, peers.table(board.me, heard)), answer
 
 
