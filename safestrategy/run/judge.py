@@ -15,7 +15,7 @@ from .. import _rundir, records
 from .._env import EXIT_STALL
 from ..records import Place
 from ..report import Stall
-from ..training.peers import GONE, HELD, PEER_GONE, STOPPED
+from ..training.peers import A_WORKERS_DOING, HELD, PEER_GONE, STOPPED
 from ..training.sampler import in_tf_call
 
 #: Deaths that are a crash when a thread was inside a TensorFlow call.
@@ -33,8 +33,6 @@ ALLREDUCE_ERRORS = (
 #: Signals that end a process from outside (a user, a scheduler, the OOM killer).
 OUTSIDE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGKILL)
 NOT_CURABLE = "not an all-reduce failure: a relaunch would fail the same way"
-#: The workers' verdicts (the watchdog's ``verdict``) that name a peer as the cause.
-PEER_VERDICTS = (HELD, GONE, STOPPED)
 #: Where a last heartbeat put a call that runs none of the strategy's collectives.
 OWN_WORK = "in a TensorFlow call of its own (one that runs none of the strategy's collectives)"
 
@@ -151,11 +149,11 @@ def judge(
         record = Record(place, backend, ended.seconds, remedy, "stall", "", cache)  # type: ignore[arg-type]
         why = f"training went silent on {backend} (recorded); {then}"
         return Verdict(True, EXIT_STALL, f"silent on {backend}", why, record)
-    peers = next((s for s in launch.stalls if s.get("verdict") in PEER_VERDICTS), None)
+    peers = next((s for s in launch.stalls if s.get("verdict") in A_WORKERS_DOING), None)
     if peers is not None and peers.get("verdict") == STOPPED:
         why = f"{peers.get('line')}: nothing recorded, and a relaunch would wait for it"
         return Verdict(False, code, "a peer was stopped", why)
-    held = peers is not None and peers.get("verdict") == "held"
+    held = peers is not None and peers.get("verdict") == HELD
     if peers is not None and (ended.returncode == EXIT_STALL or held):  # a worker's cause
         line = str(peers.get("line"))
         if not held:

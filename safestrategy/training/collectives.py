@@ -7,9 +7,9 @@ evaluation all wait "in one TensorFlow call". So the answer is read from the
 concrete graphs, library functions included, hold a collective or NCCL op, or
 run on two devices at once, as a one-machine mirror's in-graph all-reduce does
 (0.4 ms for a custom loop's step, 5-6.5 ms for Keras 3 ``fit``'s:
-shared/notes/canary.md). An eager collective (the strategy's reductions outside a function, a
-checkpoint's) is a frame of TensorFlow's collective code. Never from a
-function's name. Asked as a stall is judged, and under ``run`` at each sample
+shared/notes/canary.md). An eager collective (the strategy's reductions outside
+a function, a checkpoint's) is a frame of TensorFlow's collective code. Never
+from a function's name. Asked as a stall is judged, and under ``run`` at each sample
 (its heartbeat says whether the call runs them): each graph is read once.
 """
 
@@ -70,8 +70,8 @@ def runs_collectives(frame: Any, graphs: bool = True) -> bool:
     return False
 
 
-#: Each graph read, by graph: the version it was read at, and whether it held an op of
-#: :data:`OPS` (a function's graph is final once traced; a TF 1.x graph grows).
+#: Each graph read, by graph: the version it was read at, and whether it communicates
+#: (a function's graph is final once traced; a TF 1.x graph grows: read again).
 _read: MutableMapping[Any, Tuple[int, bool]] = weakref.WeakKeyDictionary()
 
 

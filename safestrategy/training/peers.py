@@ -154,6 +154,9 @@ STUCK, HELD, GONE, UNSEEN = "stuck", "held", "gone", "unseen"
 #: a worker its user stopped (Ctrl-C) said so as it ended: its peers end on it, and no
 #: ``run`` relaunches them to wait for a worker that is not coming back
 STOPPED = "stopped"
+#: The verdicts that name a worker as the cause: nothing is recorded against the
+#: communication on any worker (the watchdog, its ERROR, and ``run``'s judge read it).
+A_WORKERS_DOING = (HELD, GONE, STOPPED)
 #: every worker is inside the step and the canary answers: the program, not the communication
 PROGRAM = "program"
 

@@ -301,7 +301,7 @@ def _handle(
         answer = _canary(culprit, first, settings.timeout)
         where = _where(frames)
     if culprit is not None:  # records only what the canary shows is the all-reduce's doing
-        peer = drawn is not None and drawn[0].kind in (peers.HELD, peers.GONE, peers.STOPPED)
+        peer = drawn is not None and drawn[0].kind in peers.A_WORKERS_DOING
         convicted = answer is not None and answer.convicts  # only the canary convicts
         culprit = culprit._replace(
             place=records.recordable(culprit.place, outside, peer, convicted)

@@ -13,7 +13,7 @@ from .. import _env, records
 from ..backends import BACKEND_NAMES, COLLECTIVE, COMMUNICATION_NAMES, NCCL, get_backend
 from ..report import NOT_TRIED, OK, Report
 from .canary import ANSWERED, NONE, Answer
-from .peers import CHECKPOINT, GONE, HELD, INPUT, PY_FUNCTION, STOPPED, Verdict
+from .peers import A_WORKERS_DOING, CHECKPOINT, GONE, HELD, INPUT, PY_FUNCTION, STOPPED, Verdict
 from .peers import WHERE as PEER_WHERE
 from .sampler import WHERE
 
@@ -156,7 +156,7 @@ def message(
         closing = "Still waiting: if the call finishes after all, the record is withdrawn."
     else:
         closing = "Still waiting."
-    held = peers is not None and peers[0].kind in _NOT_THE_COMMUNICATION
+    held = peers is not None and peers[0].kind in A_WORKERS_DOING
     against = f"Not recorded against {report.backend if report else 'a backend'}"
     answered = canary is not None and canary.kind == ANSWERED
     if held:
@@ -203,6 +203,7 @@ def stuck_where(sign: str, at: str) -> str:
 
 
 #: Why a multi-worker verdict records nothing against the communication.
+#: Why nothing is recorded, by :data:`~safestrategy.training.peers.A_WORKERS_DOING` verdict.
 _NOT_THE_COMMUNICATION = {
     HELD: "a worker outside the all-reduce holds the others back, and another "
     "communication would wait for it the same way",
