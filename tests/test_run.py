@@ -342,6 +342,57 @@ def test_a_second_sigint_kills_a_child_that_ignores_the_first_at_once(tmp_path):
         assert gone(child)
 
 
+DEAF = """
+import os, signal, time
+for number in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(number, signal.SIG_IGN)
+print("CHILD", os.getpid(), flush=True)
+time.sleep(600)
+"""
+BUSY_SUPERVISOR = """
+import os, sys
+from safestrategy.run.supervise import supervise
+child = [sys.executable, sys.argv[1]]
+ended = supervise(child, os.environ, sys.argv[2], None, grace=600, poll=0.0002)
+print("ENDED", ended.returncode, flush=True)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_signals_that_land_while_run_sleeps_never_wedge_it(tmp_path):
+    """run's handler once set a ``threading.Event``, whose lock the main thread may hold
+    (in the Event's own wait) as a signal lands: a second Ctrl-C in CI never ended run. Its
+    loop here sleeps 0.2 ms, so some of hundreds of signals hit that moment (the old handler
+    failed this every time: wedged, or its loop broken and run killed by the next SIGHUP);
+    run must still answer Ctrl-C."""
+    (tmp_path / "child.py").write_text(DEAF)
+    (tmp_path / "supervisor.py").write_text(BUSY_SUPERVISOR)
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            str(tmp_path / "supervisor.py"),
+            str(tmp_path / "child.py"),
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        universal_newlines=True,
+    )
+    try:
+        read_line(supervisor.stdout, 60, "the child's pid")
+        for _ in range(400):  # forwarded as SIGTERM, which the child ignores
+            supervisor.send_signal(signal.SIGHUP)
+            time.sleep(0.002)
+        supervisor.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        supervisor.send_signal(signal.SIGINT)
+        assert supervisor.wait(timeout=30) == 0
+        assert read_line(supervisor.stdout, 5, "the end") == f"ENDED {-signal.SIGKILL}\n"
+    finally:
+        supervisor.kill()
+        supervisor.wait(timeout=30)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_sigkilled_run_leaves_no_child_behind(tmp_path):
     with supervising(tmp_path, SIGNALS) as (supervisor, child):

@@ -11,12 +11,13 @@ clock, and time stopped never counts as silence. POSIX only.
 import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .. import _procs, _rundir
 from .judge import Ended
@@ -119,7 +120,7 @@ def supervise(
     started = time.monotonic()
     me = os.getpid()
     got: List[int] = []
-    wake = threading.Event()
+    wake = _Wake()
     previous = {}
 
     def on_signal(number: int, frame: object) -> None:
@@ -137,11 +138,11 @@ def supervise(
     for number in FORWARDED:
         previous[number] = signal.signal(number, on_signal)
     beats = _Beats(where, stall_timeout, grace, poll)
-    kill_at, starved, hung, said, ended = None, False, False, False, _waiter(child, wake)
+    kill_at, starved, hung, said = None, False, False, False
+    ended, waiter = _waiter(child, wake)
     try:
         while not ended.is_set():
             wake.wait(poll)
-            wake.clear()
             now = time.monotonic()
             beats.sample(now)
             if got and not said:
@@ -169,6 +170,8 @@ def supervise(
         for number, handler in previous.items():
             signal.signal(number, handler)
         _end_the_rest(me, child)
+        waiter.join()  # its last act writes to ``wake``: closed only after it
+        wake.close()
     seconds = time.monotonic() - started
     return Ended(child.returncode, seconds, starved, got[0] if got else None, hung)
 
@@ -187,11 +190,39 @@ def _end_the_rest(me: int, child: "subprocess.Popen[bytes]") -> None:
     _procs.reap_orphans(child.pid)
 
 
-def _waiter(child: "subprocess.Popen[bytes]", wake: threading.Event) -> threading.Event:
-    """An event set the moment ``child`` ends (a thread blocked in its wait; ``wake`` too):
-    the loop sees an exit at once, so a relaunch follows with no polling delay, and wakes
-    only to read the heartbeat (``Popen.wait(timeout)`` would poll every 50 ms beside the
-    training)."""
+class _Wake:
+    """What the loop sleeps on: a pipe a signal handler or a thread writes a byte to. Not a
+    ``threading.Event``: its ``set`` takes a lock, and a handler runs in the main thread,
+    which may hold that lock inside ``wait`` when the signal lands, so ``run`` deadlocked
+    (a second Ctrl-C never killed the training). ``os.write`` takes none."""
+
+    def __init__(self) -> None:
+        self.reader, self.writer = os.pipe()
+        for end in (self.reader, self.writer):
+            os.set_blocking(end, False)
+
+    def set(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: the loop wakes anyway
+            os.write(self.writer, b"!")
+
+    def wait(self, timeout: float) -> None:
+        """Until woken (which it forgets) or ``timeout`` s."""
+        if select.select([self.reader], [], [], timeout)[0]:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.reader, 4096)
+
+    def close(self) -> None:
+        os.close(self.reader)
+        os.close(self.writer)
+
+
+def _waiter(
+    child: "subprocess.Popen[bytes]", wake: _Wake
+) -> Tuple[threading.Event, threading.Thread]:
+    """An event set the moment ``child`` ends, and the thread blocked in its wait that sets
+    it (and ``wake``): the loop sees an exit at once, so a relaunch follows with no polling
+    delay, and wakes only to read the heartbeat (``Popen.wait(timeout)`` would poll every
+    50 ms beside the training)."""
     ended = threading.Event()
 
     def wait() -> None:
@@ -199,8 +230,9 @@ def _waiter(child: "subprocess.Popen[bytes]", wake: threading.Event) -> threadin
         ended.set()
         wake.set()
 
-    threading.Thread(target=wait, name="safestrategy-run-wait", daemon=True).start()
-    return ended
+    thread = threading.Thread(target=wait, name="safestrategy-run-wait", daemon=True)
+    thread.start()
+    return ended, thread
 
 
 def say(text: str) -> None:
