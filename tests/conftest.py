@@ -24,6 +24,8 @@ import pytest
 
 from safestrategy._tf import configure_logical_cpus
 
+from . import slurm as slurm_cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_WORKER = str(Path(__file__).with_name("fake_worker.py"))
 LOGICAL_CPUS = 3
@@ -121,6 +123,24 @@ def tf():
     if tf.__version__.startswith("2."):
         configure_logical_cpus(tf, LOGICAL_CPUS)
     return tf
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A real one-node Slurm (tests/slurm.py), started once per test process and shared by
+    every test that asks for it: its ``Cluster`` (directory, node, pids). Client commands
+    need ``slurm_cluster.environment(slurm.directory)``. Skips saying why where Slurm
+    cannot start (not root, not Linux, not installed); at the session's end the daemons
+    it started are stopped by their saved pids and the directory goes."""
+    reason = slurm_cluster.unavailable()
+    if reason:
+        pytest.skip(reason)
+    directory = tempfile.mkdtemp(prefix="slurm-")
+    try:
+        yield slurm_cluster.start(directory)
+    finally:
+        slurm_cluster.stop(directory)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
