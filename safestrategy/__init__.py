@@ -4,13 +4,16 @@
 picks the cross-device all-reduce (NCCL, hierarchical copy, or reduction to one
 GPU or the CPU) from one it actually ran and checked on your devices;
 ``make_multiworker_strategy()`` does the same for TensorFlow's
-``MultiWorkerMirroredStrategy`` (NCCL or RING, agreed by every worker).
+``MultiWorkerMirroredStrategy`` (NCCL or RING, agreed by every worker), the workers
+from a ``cluster_resolver=``, TF_CONFIG or a Slurm step; ``auto_strategy()`` picks
+between them (and ``OneDeviceStrategy``) for wherever the script runs.
 Importing this package imports no TensorFlow and touches no device.
 """
 
 import sys
 from typing import Any
 
+from .auto import auto_strategy
 from .backends import BACKEND_NAMES
 from .factory import make_mirrored_strategy, probe
 from .report import CandidateResult, NoWorkingBackendError, Report, last_report
@@ -37,6 +40,7 @@ __all__ = [
     "NoWorkingBackendError",
     "Report",
     "__version__",
+    "auto_strategy",
     "last_report",
     "make_mirrored_strategy",
     "make_multiworker_strategy",

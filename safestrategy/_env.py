@@ -28,6 +28,9 @@ ENV_RUN_GRACE = "SAFESTRATEGY_RUN_GRACE"
 #: TensorFlow's own variable naming the workers: read and validated by
 #: :mod:`safestrategy.multiworker.cluster`; here only its name (its presence picks the CLI's view).
 ENV_TF_CONFIG = "TF_CONFIG"
+#: The first port of the tasks on one host under Slurm (the others: +1, +2, ...); unset,
+#: :func:`safestrategy.multiworker.slurm.port_base`'s formula.
+ENV_PORT_BASE = "SAFESTRATEGY_PORT_BASE"
 
 #: Seconds one smoke check may take before it is abandoned.
 DEFAULT_TIMEOUT = 60.0
@@ -181,6 +184,19 @@ def resolve_timeout(argument: Any, environ: Optional[Mapping[str, str]] = None) 
     return _bounded(
         value, f"probe timeout {value!r} from {where}", "seconds", MAX_TIMEOUT, "e.g. 60"
     )
+
+
+def resolve_port_base(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """``SAFESTRATEGY_PORT_BASE`` as a port (1024-65535), None when unset; else ``ValueError``."""
+    value = _from_env(os.environ if environ is None else environ, ENV_PORT_BASE)
+    if value is None:
+        return None
+    if not value.strip().isdigit() or not 1024 <= int(value) <= 65535:
+        raise ValueError(
+            f"{ENV_PORT_BASE}={value!r} is not a port; give a whole number from 1024 to 65535, "
+            "the first port of the tasks on each host (e.g. 20000)"
+        )
+    return int(value)
 
 
 def _bounded(value: Any, what: str, unit: str, maximum: float, hint: str) -> float:

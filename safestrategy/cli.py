@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Mapping, Optional, Sequence
 
 from . import _benchmark, _machine, _tf, records
 from ._devices import Device, cpu_count, parse_devices
@@ -35,6 +35,7 @@ from ._env import (
     ENV_COMMUNICATION,
     ENV_NCCL_REMEDIES,
     ENV_PAYLOAD,
+    ENV_PORT_BASE,
     ENV_STALL_ACTION,
     ENV_STALL_TIMEOUT,
     ENV_TF_CONFIG,
@@ -75,7 +76,11 @@ def _parser() -> argparse.ArgumentParser:
         f"  {ENV_STALL_TIMEOUT:<28} seconds one TensorFlow call may run in training "
         f"(default {DEFAULT_STALL_TIMEOUT:g}; off)\n"
         f"  {ENV_STALL_ACTION:<28} warn (default) or exit (code 75) on a stall\n"
-        f"  {ENV_COMMUNICATION:<28} multi-worker: auto, nccl, ring or a list",
+        f"  {ENV_COMMUNICATION:<28} multi-worker: auto, nccl, ring or a list\n"
+        f"  {ENV_PORT_BASE:<28} Slurm: the first port of each host's tasks (default: from\n"
+        f"  {'':<28} the job and step ids, see docs/multiworker.md)\n\n"
+        "with TF_CONFIG set, or as a task of a Slurm step of several (srun -n2), this is the\n"
+        "multi-worker view: run it on every worker",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
@@ -274,6 +279,13 @@ def _records(argv: List[str]) -> int:
     return 0
 
 
+def _a_cluster(environ: Mapping[str, str]) -> bool:
+    """Whether this process is one worker of several: TF_CONFIG (TensorFlow's own variable)
+    is set, or it is a task of a Slurm job step of several."""
+    tasks = environ.get("SLURM_STEP_NUM_TASKS", "").strip()
+    return bool(environ.get(ENV_TF_CONFIG, "").strip()) or (tasks.isdigit() and int(tasks) > 1)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["records"]:
@@ -299,8 +311,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"safestrategy: error: --plot cannot write {args.plot}: {unwritable}", file=sys.stderr
         )
         return 2
-    if os.environ.get(ENV_TF_CONFIG, "").strip():  # TensorFlow's own variable: multi-worker
-        # here: the multi-worker wing (sockets and all) only when TF_CONFIG asks for it
+    if _a_cluster(os.environ):  # the multi-worker wing (sockets and all) only when asked
         from .multiworker import cli as multiworker_cli
 
         return multiworker_cli.main(args)

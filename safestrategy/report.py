@@ -153,6 +153,14 @@ class Report(NamedTuple):
     #: XLA auto-clustering is known to be on: TF then all-reduces with its collective ops
     #: whatever was chosen (``cross_device_ops`` is ignored under XLA).
     xla: bool = False
+    #: multi-worker: where the cluster came from: "resolver", "TF_CONFIG" or "slurm"
+    cluster_source: Optional[str] = None
+    #: multi-worker: that place as a line says it: "Slurm job 412 step 0", "TF_CONFIG",
+    #: "cluster_resolver=SlurmClusterResolver"
+    cluster_origin: Optional[str] = None
+    #: auto_strategy(): the branch it took ("multi-worker", "mirrored", "one device") and why
+    branch: Optional[str] = None
+    branch_reason: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         data = self._asdict()
@@ -169,7 +177,8 @@ class Report(NamedTuple):
             return "unknown" if value is None else str(value)
 
         platform = self.platform + (" (WSL)" if self.wsl else "")
-        lines = [
+        lines = [] if self.branch is None else [f"branch       {self.branch}: {self.branch_reason}"]
+        lines += [
             f"backend      {self.backend}  ({self.mode}, chosen by {self.source})",
             f"why          {self.reason}",
             f"devices      {', '.join(self.devices)}",
@@ -183,6 +192,8 @@ class Report(NamedTuple):
             lines.append(f"xla          on: {XLA_NOTE}")
         if self.workers is not None:
             lines.append(f"workers      {self.workers} (this is {known(self.task)})")
+        if self.cluster_source is not None:
+            lines.append(f"cluster      from {self.cluster_origin or self.cluster_source}")
         lines.append("candidates")
         timed = any(candidate.ms is not None for candidate in self.candidates)
         lines.extend(candidate.line(timed) for candidate in self.candidates)

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-GLOBAL_BATCH, STEPS, LEARNING_RATE, FEATURES = 8, 5, 0.1, 4
+GLOBAL_BATCH, STEPS, LEARNING_RATE, FEATURES = 12, 5, 0.1, 4  # 12: 2, 3 or 4 workers
 #: Seconds the test waits for a worker.
 WAIT = 300
 
@@ -63,17 +63,19 @@ def train(tf, strategy=None, index=0, workers=1):
     return [float(v) for v in np.concatenate([w.numpy().ravel(), b.numpy().ravel()])]
 
 
-def leave_together(within=60.0):
-    """Return once every worker in TF_CONFIG has called this (or after ``within`` s). A
-    worker done with its last all-reduce may still be serving its peer's (RING: a peer
-    pulls its last buffer from it); exiting then fails the peer's last step with "Socket
-    closed". ``WORKERS_DONE``: the directory conftest's ``workers_together`` gives the
-    workers of one test."""
+def leave_together(within=60.0, index=None, workers=None):
+    """Return once every worker has called this (or after ``within`` s). A worker done
+    with its last all-reduce may still be serving its peer's (RING: a peer pulls its last
+    buffer from it); exiting then fails the peer's last step with "Socket closed".
+    ``WORKERS_DONE``: the directory conftest's ``workers_together`` gives the workers of
+    one test. ``index`` of ``workers``: this worker's, where TF_CONFIG does not say."""
     done = os.environ["WORKERS_DONE"]
-    config = json.loads(os.environ["TF_CONFIG"])
-    open(os.path.join(done, f"done-{config['task']['index']}"), "w").close()
+    if index is None:
+        config = json.loads(os.environ["TF_CONFIG"])
+        index, workers = config["task"]["index"], len(config["cluster"]["worker"])
+    open(os.path.join(done, f"done-{index}"), "w").close()
     deadline = time.monotonic() + within
-    while len(os.listdir(done)) < len(config["cluster"]["worker"]):
+    while len(os.listdir(done)) < workers:
         if time.monotonic() > deadline:
             return
         time.sleep(0.1)

@@ -1,7 +1,8 @@
-"""``python -m safestrategy`` with TF_CONFIG set: the multi-worker view.
+"""``python -m safestrategy`` with TF_CONFIG set, or as a task of a Slurm step of
+several (``srun -n2 python -m safestrategy``): the multi-worker view.
 
 It takes part in the workers' agreement like the factory does, building
-nothing: run it on every worker in TF_CONFIG (at the same time, on the ports
+nothing: run it on every worker (at the same time, on the ports
 the training will use, so not while the training runs) and each prints the
 choice they all agreed on. Run on one worker alone, it prints this worker's
 facts and, after the timeout, which workers did not answer.
@@ -20,8 +21,9 @@ def main(args: argparse.Namespace) -> int:
     if args.backend or args.devices:
         print(
             "safestrategy: error: --backend and --devices are for one machine; with TF_CONFIG "
-            "set this is the multi-worker view (choose with SAFESTRATEGY_COMMUNICATION; unset "
-            "TF_CONFIG for the one-machine view)",
+            "set (or in a Slurm step of several tasks) this is the multi-worker view (choose "
+            "with SAFESTRATEGY_COMMUNICATION; unset TF_CONFIG, or srun -n1, for the "
+            "one-machine view)",
             file=sys.stderr,
         )
         return 2
@@ -37,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     cluster = request.cluster
     if not args.json:
         workers = ", ".join(f"{a.task} ({a})" for a in cluster.workers)
-        print(f"multi-worker: TF_CONFIG names {len(cluster.workers)} workers: {workers}")
+        print(f"multi-worker: {cluster.origin} names {len(cluster.workers)} workers: {workers}")
         print(
             f"this is {cluster.task}; waiting up to {request.timeout:g} s for the others "
             "(run this on every worker)...",

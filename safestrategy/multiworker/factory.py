@@ -69,12 +69,27 @@ LEGACY_KERAS = ("true", "True", "1")
 #: Keras 3's ``fit`` with MultiWorkerMirroredStrategy (also tensorflow/tensorflow#72388).
 KERAS3_ISSUE = "keras-team/keras#20585"
 
-NO_TF_CONFIG = (
-    "TF_CONFIG is not set: make_multiworker_strategy() needs it to know the workers, e.g. "
+NO_CLUSTER = (
+    "no cluster: make_multiworker_strategy() takes the workers from cluster_resolver= (any "
+    "tf.distribute.cluster_resolver.ClusterResolver), else TF_CONFIG (e.g. "
     'TF_CONFIG=\'{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
-    '"task": {"type": "worker", "index": 0}}\' (see docs/multiworker.md). '
-    "On one machine, use make_mirrored_strategy()"
+    '"task": {"type": "worker", "index": 0}}\'), else a Slurm job step of several tasks '
+    "(srun -n2 python train.py); none is here (see docs/multiworker.md)"
 )
+ONE_MACHINE = "On one machine, use make_mirrored_strategy() or auto_strategy()"
+
+
+def no_cluster(environ: Mapping[str, str]) -> str:
+    """Why there is no cluster, and what to use instead: under ``srun`` with one task,
+    that this is one process."""
+    tasks = environ.get("SLURM_STEP_NUM_TASKS", "").strip()
+    if tasks == "1":
+        return (
+            f"{NO_CLUSTER}; this Slurm step has one task (SLURM_STEP_NUM_TASKS=1), so it is "
+            f"one process on one machine: use make_mirrored_strategy() or auto_strategy(), "
+            "or srun -n N for N workers"
+        )
+    return f"{NO_CLUSTER}. {ONE_MACHINE}"
 
 
 class Request(NamedTuple):
@@ -86,14 +101,17 @@ class Request(NamedTuple):
     remedies: bool  #: SAFESTRATEGY_NCCL_REMEDIES
 
 
-def request(communication: Optional[str] = None, timeout: Optional[float] = None) -> Request:
-    """Validate every input (``ValueError``) before anything touches a device or a port."""
+def request(
+    communication: Optional[str] = None, timeout: Optional[float] = None, resolver: Any = None
+) -> Request:
+    """Validate every input (``ValueError``) before anything touches a device or a port.
+    The cluster: ``resolver``, else TF_CONFIG, else Slurm's step (:func:`cluster.find`)."""
     setting = resolve_communication(communication)
     seconds = resolve_timeout(timeout)
     remedies = resolve_switch(ENV_NCCL_REMEDIES)
-    workers = cluster.read()
+    workers = cluster.find(resolver)
     if workers is None:
-        raise ValueError(NO_TF_CONFIG)
+        raise ValueError(no_cluster(os.environ))
     return Request(workers, setting, seconds, remedies)
 
 
@@ -121,6 +139,12 @@ def local_facts(tf: Any) -> Dict[str, Any]:
         "nccl_kernels": _tf.nccl_kernel_count(tf),
         "tf_version": tf.__version__,
     }
+
+
+def _facts(tf: Any, workers: Cluster) -> Dict[str, Any]:
+    """This worker's facts and the records it carries into the hello."""
+    addresses = [str(address) for address in workers.workers]
+    return {**local_facts(tf), "records": records.carried(tf, addresses, workers.task)}
 
 
 def _free_port(host: str) -> int:
@@ -262,15 +286,13 @@ def decide(
     process this opened is closed when it returns or raises.
     """
     if facts is None:
-        tf = _tf.import_tf()
-        addresses = [str(address) for address in request.cluster.workers]
-        facts = {**local_facts(tf), "records": records.carried(tf, addresses, request.cluster.task)}
+        facts = _facts(_tf.import_tf(), request.cluster)
     workers, setting = request.cluster, request.setting
     with _lock:
         session = _sessions.get(workers.task, 0) + 1
     met = False
     try:
-        with Rendezvous(workers.me, workers.peers, session) as rendezvous:
+        with Rendezvous(workers.me, workers.peers, session, workers.ports) as rendezvous:
             hellos = rendezvous.exchange(
                 "hello",
                 _hello(request, facts),
@@ -316,6 +338,8 @@ def decide(
         python=_platform.python_version(),
         workers=len(workers.workers),
         task=workers.task,
+        cluster_source=workers.source,
+        cluster_origin=workers.origin,
     )
     if decision.backend is None:
         tasks = [address.task for address in workers.workers]
@@ -425,13 +449,26 @@ def _log(report: Report, setting: Setting, workers: Sequence[str]) -> None:
     )
 
 
+def _simple_resolver(tf: Any, workers: Cluster, gpus: int) -> Any:
+    """TensorFlow's ``SimpleClusterResolver`` of ``workers``, this task, and the GPUs TF
+    sees here: TF's strategy takes a resolver's ``num_accelerators()`` as its GPU count,
+    which ``SlurmClusterResolver`` reads from ``nvidia-smi`` (absent on a CPU node) per node,
+    not per task (tensorflow#36094)."""
+    jobs: Dict[str, List[str]] = {}
+    for address in workers.workers:
+        jobs.setdefault(address.task.split(":")[0], []).append(str(address))
+    kind, index = workers.task.split(":")
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(jobs),
+        task_type=kind,
+        task_id=int(index),
+        num_accelerators={"GPU": int(gpus or 0)},
+        rpc_layer="grpc",
+    )
+
+
 def _check_kwargs(tf: Any, kwargs: Mapping[str, Any]) -> None:
     """``TypeError``/``ValueError`` for keyword arguments we cannot pass on, before probing."""
-    if "cluster_resolver" in kwargs:
-        raise ValueError(
-            "make_multiworker_strategy() reads the cluster from TF_CONFIG, which every "
-            "worker must agree on; cluster_resolver= is not supported: set TF_CONFIG instead"
-        )
     options = kwargs.get("communication_options")
     implementation = getattr(options, "implementation", None)
     if implementation is not None and getattr(implementation, "name", "AUTO") != "AUTO":
@@ -444,10 +481,16 @@ def _check_kwargs(tf: Any, kwargs: Mapping[str, Any]) -> None:
     check_kwargs("make_multiworker_strategy", cls, kwargs)
 
 
-def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: Any) -> Any:
+def make_multiworker_strategy(
+    *, communication: Optional[str] = None, cluster_resolver: Any = None, **kwargs: Any
+) -> Any:
     """TensorFlow's ``MultiWorkerMirroredStrategy``, with a communication every worker agreed on.
 
-    The workers come from ``TF_CONFIG``, as for TensorFlow. The communication is
+    The workers come from ``cluster_resolver=`` (any TensorFlow ``ClusterResolver``), else
+    ``TF_CONFIG``, else the Slurm job step this task is one of (``srun -n2 python
+    train.py``); ``ValueError`` when none names a cluster. A resolver's or Slurm's cluster
+    is handed to TensorFlow as a ``SimpleClusterResolver`` with the GPUs TensorFlow sees
+    here (never ``nvidia-smi``, never Slurm's GPU counts). The communication is
     ``communication=``, else ``$SAFESTRATEGY_COMMUNICATION``, else ``auto``: NCCL
     only when every worker has GPUs and a real cross-worker NCCL all-reduce summed
     right on every worker, else RING. Other keyword arguments go to the
@@ -462,16 +505,19 @@ def make_multiworker_strategy(*, communication: Optional[str] = None, **kwargs: 
     TensorFlow's way back to Keras 2; nothing is raised.
     """
     require_tf2()
-    req = request(communication)
+    req = request(communication, resolver=cluster_resolver)
     stall_settings = resolve_stall()
     tf = _tf.import_tf()
     _check_kwargs(tf, kwargs)
-    report = decide(req)
+    facts = _facts(tf, req.cluster)
+    report = decide(req, facts)
     workers = [address.task for address in req.cluster.workers]
     _log(report, req.setting, workers)
     chosen = next(c for c in report.candidates if c.name == report.backend)
     if chosen.remedy:
         nccl.apply_remedy(chosen.remedy, workers)
+    if req.cluster.source != cluster.TF_CONFIG:  # TF reads TF_CONFIG itself, nothing else
+        kwargs = {**kwargs, "cluster_resolver": _simple_resolver(tf, req.cluster, facts["gpus"])}
     strategy = build_multiworker_strategy(tf, report.backend, kwargs)
     _warn_keras3(tf.__version__)
     set_last_report(report)

@@ -85,6 +85,11 @@ class MissingWorkersError(TimeoutError):
         self.task = task
 
 
+class PortTakenError(OSError, RuntimeError):
+    """This worker's port cannot be listened on: the message names the port, the task and
+    where the port came from (an ``OSError`` as before 0.6, and a ``RuntimeError``)."""
+
+
 def _reason(error: BaseException) -> str:
     if isinstance(error, socket.timeout):
         return "no answer"
@@ -99,8 +104,11 @@ class Rendezvous:
     """One attempt at one decision's rounds between this worker and its peers; a context
     manager that listens on this worker's port while it is open."""
 
-    def __init__(self, me: Address, peers: Sequence[Address], session: int) -> None:
+    def __init__(
+        self, me: Address, peers: Sequence[Address], session: int, ports: str = "TF_CONFIG"
+    ) -> None:
         self.me, self.peers, self.session = me, tuple(peers), session
+        self.ports = ports  #: where the ports came from, as a port's error names it
         self.attempt = [_PROCESS, next(_attempts)]
         self._mailbox: Dict[Tuple[str, str], Any] = {}
         #: (round, peer) -> the attempt of that peer that acked our message
@@ -166,11 +174,11 @@ class Rendezvous:
             listener.listen(64)
         except OSError as error:
             listener.close()
-            raise OSError(
+            raise PortTakenError(
                 error.errno,
-                f"cannot listen on port {self.me.port}, {self.me.task}'s port in TF_CONFIG "
-                f"({error.strerror or error}); is another program, or an earlier TensorFlow "
-                "server in this process, using it?",
+                f"cannot listen on port {self.me.port}, {self.me.task}'s port from "
+                f"{self.ports} ({error.strerror or error}); is another program, or an "
+                "earlier TensorFlow server in this process, using it?",
             ) from None
         listener.settimeout(0.2)
         self._listener = listener
