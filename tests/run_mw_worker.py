@@ -3,10 +3,11 @@
     python tests/run_mw_worker.py DIES
 
 A custom training loop on ``make_multiworker_strategy()`` (TF_CONFIG says which
-worker this is). The GPU-count seam is applied here, in the child (a patch in the
-test process does not reach ``run``'s children): each worker says it has one GPU and
-NCCL kernels, so NCCL is checked across the workers for real, in real probe
-processes, and chosen (TensorFlow runs RING under it on CPUs, so it sums right).
+worker this is, else Slurm's step: ``SLURM_PROCID``). The GPU-count seam is applied
+here, in the child (a patch in the test process does not reach ``run``'s children):
+each worker says it has one GPU and NCCL kernels, so NCCL is checked across the workers
+for real, in real probe processes, and chosen (TensorFlow runs RING under it on CPUs,
+so it sums right).
 
 On the first launch (``SAFESTRATEGY_RESTART`` is 0) worker ``DIES`` aborts mid-step:
 inside the step, once its heartbeat says a thread is inside a TF call, SIGABRT, as a
@@ -32,7 +33,10 @@ from tests.mw_worker import leave_together
 
 STEPS = 6
 DIES = int(sys.argv[1])
-INDEX = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+if os.environ.get("TF_CONFIG"):
+    INDEX = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+else:
+    INDEX = int(os.environ["SLURM_PROCID"])
 FIRST = os.environ.get("SAFESTRATEGY_RESTART") == "0"
 _real_facts = multiworker.local_facts
 multiworker.local_facts = lambda tf: {**_real_facts(tf), "gpus": 1, "nccl_kernels": 1}
@@ -74,5 +78,5 @@ for number in range(STEPS):
     step(tf.constant(number))
 print("TOTAL", float(total.numpy()), flush=True)
 sys.stderr.flush()
-leave_together()  # neither worker ends while the other may still pull from it
+leave_together(index=INDEX, workers=2)  # neither ends while the other may pull from it
 os._exit(0)  # skip TensorFlow's slow gRPC teardown: the training is done

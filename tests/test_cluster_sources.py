@@ -146,3 +146,40 @@ def test_a_resolver_that_returns_no_cluster_for_this_process_is_named(resolver, 
     with pytest.raises(ValueError, match=words) as raised:
         cluster.find(resolver, {})
     assert "cluster_resolver=Resolver returned cluster_spec" in str(raised.value)
+
+
+def test_tasks_on_one_host_that_see_the_same_gpus_get_one_warning():
+    from safestrategy.multiworker import agree
+
+    def hello(host, gpus=1, visible=None):
+        return {"host": host, "gpus": gpus, "visible_gpus": visible}
+
+    same = {"worker:0": hello("n1"), "worker:1": hello("n1"), "worker:2": hello("n2")}
+    said = agree.shared_gpus(same, "worker:0")
+    assert said.startswith("worker:0 and worker:1 run on n1 and see the same GPUs")
+    assert "CUDA_VISIBLE_DEVICES unset" in said and "--gpus-per-task=1" in said
+    assert agree.shared_gpus(same, "worker:1") is None  # said once, by the first of them
+    own = {"worker:0": hello("n1", visible="0"), "worker:1": hello("n1", visible="1")}
+    assert agree.shared_gpus(own, "worker:0") is None
+    cpus = {"worker:0": hello("n1", gpus=0), "worker:1": hello("n1", gpus=0)}
+    assert agree.shared_gpus(cpus, "worker:0") is None
+    old = {"worker:0": {"gpus": 1}, "worker:1": {"gpus": 1}}  # 0.5's hellos: no host
+    assert agree.shared_gpus(old, "worker:0") is None
+
+
+def test_a_port_taken_is_an_error_naming_the_port_the_task_and_the_setting():
+    import socket
+
+    from safestrategy.multiworker.cluster import Address
+    from safestrategy.multiworker.rendezvous import Rendezvous
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        me = Address("worker:1", "127.0.0.1", port)
+        with pytest.raises(RuntimeError) as raised:
+            Rendezvous(me, [], 1, f"SAFESTRATEGY_PORT_BASE={port - 1}").open()
+    said = str(raised.value)
+    assert f"port {port}, worker:1's port from SAFESTRATEGY_PORT_BASE={port - 1}" in said
+    assert isinstance(raised.value, OSError)  # as before 0.6

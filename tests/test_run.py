@@ -633,5 +633,49 @@ def test_runs_keeps_the_last_20_launches(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     left = sorted(p.parent.name for p in runs.glob("*/launch-*"))
-    assert len(left) == 20 and len(list(runs.iterdir())) == 20
-    assert "20260101-000000-05" not in left and "20260101-000000-06" in left  # oldest gone
+    assert len(left) == 21 and len(list(runs.iterdir())) == 21  # 20 ended, and its own
+    assert "20260101-000000-04" not in left and "20260101-000000-05" in left  # oldest gone
+
+
+#: A launch that waits for every other run to have started, then says whether its
+#: run directory is still there (exit 3 if not).
+SHARED = """
+import os, sys, time
+started = sys.argv[1]
+open(os.path.join(started, str(os.getpid())), "w").close()
+deadline = time.monotonic() + 90
+while len(os.listdir(started)) < int(sys.argv[2]) and time.monotonic() < deadline:
+    time.sleep(0.1)
+time.sleep(0.5)
+sys.exit(0 if os.path.isdir(os.environ["SAFESTRATEGY_RUN_DIR"]) else 3)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="run is POSIX only")
+def test_runs_sharing_one_cache_never_prune_a_launch_still_running(tmp_path):
+    """25 runs at once on one cache (the tasks of Slurm steps on one node): the later ones
+    prune past the 20 launches kept, and must pass over every one still running."""
+    from safestrategy.run.launches import KEEP_LAUNCHES
+
+    count = KEEP_LAUNCHES + 5
+    (tmp_path / "started").mkdir()
+    (tmp_path / "shared.py").write_text(SHARED)
+    env = dict(os.environ, SAFESTRATEGY_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "safestrategy", "run", "--", sys.executable]
+    command += [str(tmp_path / "shared.py"), str(tmp_path / "started"), str(count)]
+    runs = []
+    try:
+        for _ in range(count):
+            runs.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE))
+            time.sleep(0.05)  # each prunes as it starts, while the earlier ones run
+        codes = [run.wait(timeout=120) for run in runs]
+    finally:
+        for run in runs:
+            run.kill()
+            run.wait(timeout=30)
+    assert codes == [0] * count
+    launches = list((tmp_path / "cache" / "runs").glob("*/launch-*"))
+    assert len(launches) == count  # nothing pruned while they ran
+    subprocess.run([*command[:-3], "-c", "pass"], env=env, timeout=60, check=True)
+    launches = list((tmp_path / "cache" / "runs").glob("*/launch-*"))
+    assert len(launches) == KEEP_LAUNCHES + 1  # the ended ones kept, and the newest run's

@@ -143,3 +143,29 @@ def test_run_supervises_each_task_under_srun(slurm, tf2):
     command = [sys.executable, "-m", "safestrategy", "run", "--", sys.executable, WORKER]
     found = results(srun(slurm, 2, *command, "slurm"), 2)
     assert found[0]["weights"] == found[1]["weights"]
+
+
+def test_run_under_srun_relaunches_every_task_on_a_crash_in_the_all_reduce(slurm, tf2, tmp_path):
+    """tests/run_mw_worker.py under ``srun -n2 python -m safestrategy run``, the tasks
+    sharing one cache (one node's home): worker 1 aborts mid-step on the first launch, as a
+    crashing NCCL does. As over TF_CONFIG (tests/test_run.py): its run records the crash
+    (under its own task) and relaunches, its peer is relaunched with nothing recorded, and
+    both agree on NCCL with the next remedy and train."""
+    command = [sys.executable, "-m", "safestrategy", "run", "--grace", "5", "--"]
+    command += [sys.executable, str(ROOT / "tests" / "run_mw_worker.py"), "1"]
+    env = {"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache"), "SAFESTRATEGY_STALL_TIMEOUT": "15"}
+    files = ["-o", str(tmp_path / "task-%t.out"), "-e", str(tmp_path / "task-%t.err")]
+    step = srun(slurm, 2, *files, *command, env=env)
+    assert step.wait(timeout=400) == 0, (tmp_path / "task-1.err").read_text()[-4000:]
+    for task in (0, 1):
+        out = (tmp_path / f"task-{task}.out").read_text()
+        first, second = [json.loads(line) for line in re.findall(r"^REPORT (.*)$", out, re.M)]
+        assert (first["cluster_source"], second["cluster_source"]) == ("slurm", "slurm")
+        nccl = second["candidates"][0]
+        assert (second["backend"], nccl["remedy"]) == ("nccl", {"NCCL_P2P_DISABLE": "1"})
+        assert "worker:1 recorded it: crashed during training" in nccl["reason"]
+        assert re.findall(r"^TOTAL (\S+)$", out, re.M) == ["18.0"]
+    said = (tmp_path / "task-1.err").read_text()
+    assert "launch 2 of 4: training crashed on nccl (killed by SIGABRT) (recorded)" in said
+    peer = (tmp_path / "task-0.err").read_text()
+    assert re.search(r"launch 2 of 4: a peer is gone \(.+\); nothing recorded", peer)

@@ -39,7 +39,7 @@ Hello = Mapping[str, Any]
 def disagreement(hellos: Mapping[str, Hello]) -> Optional[str]:
     """Why the workers cannot agree (different TF_CONFIG clusters or settings), or None."""
     for field, what in (
-        ("cluster", "the cluster in TF_CONFIG"),
+        ("cluster", "the cluster (from a resolver, TF_CONFIG or Slurm)"),
         ("setting", f"the communication setting (communication= or {ENV_COMMUNICATION})"),
         ("stall_timeout", f"the stall timeout ({ENV_STALL_TIMEOUT}; None: off)"),
     ):
@@ -49,6 +49,30 @@ def disagreement(hellos: Mapping[str, Hello]) -> Optional[str]:
             return (
                 f"the workers disagree on {what}, so they cannot make the same choice: {each}. "
                 "Give every worker the same"
+            )
+    return None
+
+
+def shared_gpus(hellos: Mapping[str, Hello], me: str) -> Optional[str]:
+    """The WARNING for tasks on one host that see the same GPUs (each then mirrors over
+    all of them, and they contend), said by the first of them only (``me``); else None.
+    Hellos of 0.5 and earlier carry no host: nothing is said of them."""
+    groups: Dict[Any, List[str]] = {}
+    for task, hello in hellos.items():
+        if hello.get("gpus") and hello.get("host") is not None:
+            groups.setdefault((hello["host"], hello.get("visible_gpus")), []).append(task)
+    for (host, visible), tasks in sorted(groups.items(), key=lambda item: repr(item[0])):
+        if len(tasks) > 1 and me == tasks[0]:
+            seen = (
+                "CUDA_VISIBLE_DEVICES unset"
+                if visible is None
+                else f"CUDA_VISIBLE_DEVICES={visible}"
+            )
+            return (
+                f"{' and '.join(tasks)} run on {host} and see the same GPUs ({seen} on each): "
+                "every one of them trains on all of those GPUs, and they contend for them. Give "
+                "each task its own (Slurm: srun --gpus-per-task=1; else CUDA_VISIBLE_DEVICES "
+                "per task)"
             )
     return None
 

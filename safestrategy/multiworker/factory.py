@@ -198,6 +198,8 @@ def _hello(request: Request, facts: Mapping[str, Any]) -> Dict[str, Any]:
         "user_nccl": list(_env.user_remedies()),
         "remedies": request.remedies,
         "probe_port": _free_port(request.cluster.me.host),
+        "host": socket.gethostname(),  # tasks on one host that see the same GPUs: a WARNING
+        "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "stall_timeout": resolve_stall().timeout,  # the rounds' bounds follow from it
     }
 
@@ -304,6 +306,9 @@ def decide(
             problem = agree.disagreement(hellos)
             if problem is not None:
                 raise ValueError(problem)
+            shared = agree.shared_gpus(hellos, workers.task)
+            if shared is not None:
+                logger.warning("%s", shared)
 
             def check(name: str) -> CandidateResult:
                 if name == RING:
