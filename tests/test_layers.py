@@ -27,6 +27,7 @@ LAYERS = {
         "safestrategy.multiworker.cli",
     },
     "factories": {
+        "safestrategy.auto",
         "safestrategy.factory",
         "safestrategy.nccl_ops",
         "safestrategy.multiworker",
@@ -57,6 +58,7 @@ LAYERS = {
         "safestrategy.multiworker.agree",
         "safestrategy.multiworker.cluster",
         "safestrategy.multiworker.rendezvous",
+        "safestrategy.multiworker.slurm",
     },
     "settings and facts": {
         "safestrategy._cache",
