@@ -677,3 +677,23 @@ def test_a_stalled_worker_names_the_one_the_gone_leader_said_was_gone_first():
     assert verdict == peers.Verdict(
         GONE, "worker:2", "worker:2 stopped answering 12 s ago (worker:0 saw it first)"
     )
+
+
+def test_a_worker_the_gone_leader_ended_names_the_one_its_user_stopped():
+    """3 workers, Ctrl-C on worker:2: the leader ends saying so, and its exit ends
+    worker:1, which can reach neither. The leader's last beat said worker:2 was stopped:
+    worker:1 says that too, not that the leader stopped answering (seen in 6 of 20
+    trials before, benchmarks/peers_trials.py --workers 3 --cases interrupt)."""
+    store = Store()
+    leader, one, two = [Board(store.kv(), ["a", "b", "c"], TASKS, t) for t in TASKS]
+    for board in (leader, one, two):
+        board.publish(1, peers.STEP, 2.0, "train.py:9")
+    stopped = peers.Verdict(peers.STOPPED, "worker:2", "worker:2 was stopped by its user")
+    leader.publish(-1, peers.STEP, 2.0, "", stopped)  # worker:2's own last beat unread
+    one.look()
+    now = time.monotonic()
+    one.clock = lambda: now + 12
+    store.frozen.set()
+    one.look()
+    assert one.verdict(5.0) == stopped
+    assert one.passed_on(peers.Verdict(GONE, "worker:0", "worker:0 stopped answering")) == stopped

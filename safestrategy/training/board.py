@@ -222,8 +222,10 @@ class Board:
         that its user stopped it, or that another was gone first."""
         heard = self.heard()
         said = self._said_by(found.task) if found.kind == GONE and found.task else None
-        if said is not None and said.kind == STOPPED and said.task == found.task:
-            return said  # its user stopped it (Ctrl-C): not a worker frozen or lost
+        if said is not None and said.kind == STOPPED and said.task in (found.task, *heard):
+            # its user stopped it (Ctrl-C), or it ended because a peer's user stopped that
+            # one (the leader's exit, after a worker's Ctrl-C, ends every other)
+            return said
         if said is not None and said.kind == GONE and said.task == self.me:
             # it ended saying this worker was gone: this one was stopped, not it
             line = f"{self.me} stopped answering ({found.task} said so as it ended)"
