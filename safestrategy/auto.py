@@ -28,11 +28,17 @@ MULTIWORKER, MIRRORED, ONE_DEVICE = "multi-worker", "mirrored", "one device"
 OWN_KEYWORDS = {MIRRORED: ("devices", "backend"), MULTIWORKER: ("communication",)}
 
 
+def is_cluster(found: Any, resolver: bool) -> bool:
+    """Whether the cluster found (a ``multiworker.cluster.Cluster``, or None) is one to
+    train across: any a resolver gave, else one of more than one worker."""
+    return found is not None and (resolver or len(found.workers) > 1)
+
+
 def branch(found: Any, resolver: bool, devices: Sequence[str]) -> Tuple[str, str]:
     """Which factory, and why, from the cluster found (a ``multiworker.cluster.Cluster``,
     or None), whether the caller gave a resolver, and the devices stock
     ``MirroredStrategy()`` would mirror over."""
-    if found is not None and (resolver or len(found.workers) > 1):
+    if is_cluster(found, resolver):
         return MULTIWORKER, f"a cluster of {len(found.workers)} workers from {found.origin}"
     if len(devices) > 1:
         return MIRRORED, f"{len(devices)} devices, as MirroredStrategy() mirrors: " + ", ".join(
@@ -113,7 +119,7 @@ def auto_strategy(**kwargs: Any) -> Any:
     found = cluster.find(resolver)
     tf = _tf.import_tf()
     _refuse_other_strategies(tf, cluster.parameter_servers(resolver))
-    if found is not None and (resolver is not None or len(found.workers) > 1):
+    if is_cluster(found, resolver is not None):
         devices: Tuple[str, ...] = ()  # the runtime must not start before the strategy
     elif kwargs.get("devices") is not None:
         devices = tuple(str(device) for device in kwargs["devices"])

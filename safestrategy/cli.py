@@ -282,8 +282,9 @@ def _records(argv: List[str]) -> int:
 def _a_cluster(environ: Mapping[str, str]) -> bool:
     """Whether this process is one worker of several: TF_CONFIG (TensorFlow's own variable)
     is set, or it is a task of a Slurm job step of several."""
-    tasks = environ.get("SLURM_STEP_NUM_TASKS", "").strip()
-    return bool(environ.get(ENV_TF_CONFIG, "").strip()) or (tasks.isdigit() and int(tasks) > 1)
+    from .multiworker import slurm  # pure: no TensorFlow
+
+    return bool(environ.get(ENV_TF_CONFIG, "").strip()) or slurm.step_tasks(environ) > 1
 
 
 def main(argv: Optional[List[str]] = None) -> int:

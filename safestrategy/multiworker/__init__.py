@@ -3,8 +3,8 @@
 ``factory`` builds TensorFlow's ``MultiWorkerMirroredStrategy`` with the
 communication every worker agreed on; ``agree`` holds the pure rules of that
 agreement; ``rendezvous`` is how the workers meet and exchange facts and
-verdicts; ``cluster`` reads ``TF_CONFIG``; ``cli`` is the multi-worker view of
-``python -m safestrategy``.
+verdicts; ``cluster`` finds the workers (a resolver, ``TF_CONFIG``, a Slurm step, which
+``slurm`` reads); ``cli`` is the multi-worker view of ``python -m safestrategy``.
 """
 
 from .factory import make_multiworker_strategy

@@ -47,7 +47,7 @@ from ..report import (
 from ..training import hooks, publish, watchdog
 from ..training.board import Board
 from ..training.rounds import Rounds
-from . import agree, cluster
+from . import agree, cluster, slurm
 from .cluster import Cluster
 from .rendezvous import MissingWorkersError, Rendezvous
 
@@ -82,8 +82,7 @@ ONE_MACHINE = "On one machine, use make_mirrored_strategy() or auto_strategy()"
 def no_cluster(environ: Mapping[str, str]) -> str:
     """Why there is no cluster, and what to use instead: under ``srun`` with one task,
     that this is one process."""
-    tasks = environ.get("SLURM_STEP_NUM_TASKS", "").strip()
-    if tasks == "1":
+    if slurm.step_tasks(environ) == 1:
         return (
             f"{NO_CLUSTER}; this Slurm step has one task (SLURM_STEP_NUM_TASKS=1), so it is "
             f"one process on one machine: use make_mirrored_strategy() or auto_strategy(), "

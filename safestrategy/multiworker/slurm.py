@@ -110,14 +110,21 @@ def _number(environ: Mapping[str, str], name: str) -> int:
     return int(value)
 
 
+def step_tasks(environ: Mapping[str, str]) -> int:
+    """How many tasks this process's Slurm step has (``SLURM_STEP_NUM_TASKS``); 0 outside
+    a step. Never ``SLURM_NTASKS``: a batch script's own ``python train.py`` is one
+    process, whatever the allocation."""
+    count = environ.get("SLURM_STEP_NUM_TASKS", "").strip()
+    return int(count) if count.isdigit() else 0
+
+
 def read(environ: Mapping[str, str], port_base_setting: Optional[int]) -> Optional[Step]:
     """The step's workers when this process is one task of a step of several; None
     otherwise (no step, or one task). ``ValueError`` when the step cannot be read as
     workers (a distribution other than block, variables that disagree)."""
-    count = environ.get("SLURM_STEP_NUM_TASKS", "").strip()
-    if not count.isdigit() or int(count) < 2:
+    total = step_tasks(environ)
+    if total < 2:
         return None
-    total = int(count)
     hosts = expand_hostlist(environ.get("SLURM_STEP_NODELIST", ""))
     counts = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
     if len(counts) != len(hosts) or sum(counts) != total:
