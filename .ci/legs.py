@@ -21,6 +21,9 @@ class Leg(NamedTuple):
     python: str  #: "3.6": the interpreter's major.minor
     pins: Tuple[str, ...]  #: installed first (build tools old pips get wrong)
     requirements: Tuple[str, ...]  #: TensorFlow and the pins it needs
+    #: installed last with ``--no-deps``, as the docs tell users: tf_keras requires the
+    #: ``tensorflow`` package, and would pull a second TensorFlow over ``tensorflow-cpu``
+    no_deps: Tuple[str, ...] = ()
 
 
 # Every requirement installs the same way on Linux and Windows: from 2.10 to
@@ -33,8 +36,8 @@ LEGS = {
     "tf244": Leg("3.8", (), ("tensorflow-cpu==2.4.4",)),
     "tf210": Leg("3.8", (), ("tensorflow-cpu==2.10.1",)),
     "tf213": Leg("3.11", (), ("tensorflow-cpu==2.13.1",)),
-    "tf216": Leg("3.11", (), ("tensorflow-cpu==2.16.2",)),
-    "tf221": Leg("3.11", (), ("tensorflow-cpu==2.21.0",)),
+    "tf216": Leg("3.11", (), ("tensorflow-cpu==2.16.2",), ("tf_keras~=2.16.0",)),
+    "tf221": Leg("3.11", (), ("tensorflow-cpu==2.21.0",), ("tf_keras~=2.21.0",)),
 }
 #: What ``nox`` and ``.ci/run`` run unless SAFESTRATEGY_FULL_MATRIX=1.
 DEFAULT_LEGS = ("tf112", "tf115", "tf210", "tf221")
@@ -66,6 +69,8 @@ def run(name: str, pytest_args: Tuple[str, ...]) -> int:
     if leg.pins:
         pip_install(*leg.pins)
     pip_install(*leg.requirements, ".[test]")
+    if leg.no_deps:
+        pip_install("--no-deps", *leg.no_deps)
     os.makedirs(os.path.join(ROOT, REPORTS), exist_ok=True)
     report = os.path.join(REPORTS, f"{name}.xml")
     command = [sys.executable, "-m", "pytest", f"--junitxml={report}", *pytest_args]

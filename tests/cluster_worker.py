@@ -1,6 +1,6 @@
 """One worker of the cluster-source tests: the cluster from a resolver or a Slurm step.
 
-    python tests/cluster_worker.py simple|slurm|slurm-resolver|auto|tf_config|stock
+    python tests/cluster_worker.py simple|slurm|slurm-resolver|auto|tf_config|stock|fit
 
 - ``simple``: ``cluster_resolver=`` a ``SimpleClusterResolver`` of ``CLUSTER`` (JSON list of
   "host:port") as task ``INDEX``; TF_CONFIG unset;
@@ -9,10 +9,12 @@
   be built: no ``nvidia-smi``, ``num_accelerators()`` none, ports from ``PORT``);
 - ``auto``: ``safestrategy.auto_strategy()``, the cluster wherever it finds one;
 - ``tf_config``: TF_CONFIG, as always; ``stock``: stock TensorFlow's strategy over
-  TF_CONFIG, for the weights to compare with.
+  TF_CONFIG, for the weights to compare with;
+- ``fit``: TF_CONFIG, the regression trained by ``tf.keras``'s ``Model.fit`` (:func:`fit`).
 
-Trains tests/mw_worker.py's regression and prints ``RESULT {json}``: the weights, the
-report's cluster fields and its first lines; then leaves with the others.
+Trains tests/mw_worker.py's regression (a custom loop, but for ``fit``) and prints
+``RESULT {json}``: the weights, the report's cluster fields and its first lines; then
+leaves with the others.
 """
 
 import json
@@ -22,7 +24,30 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.mw_worker import WAIT, leave_together, train
+from tests.mw_worker import GLOBAL_BATCH, LEARNING_RATE, STEPS, WAIT, batch, leave_together, train
+
+
+def fit(tf, strategy, index, workers):
+    """tests/mw_worker.py's regression by ``tf.keras``'s ``Model.fit``, as its users feed it:
+    every worker the same dataset of global batches, which TensorFlow splits by replica
+    and shards by worker (DATA), so each worker takes its slice of every global batch, and
+    the loss is the mean over the global batch: the weights are :func:`train`'s in one
+    process."""
+    import numpy as np
+
+    x = np.concatenate([batch(number)[0] for number in range(STEPS)])
+    y = np.concatenate([batch(number)[1] for number in range(STEPS)])
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    options = tf.data.Options()  # the elements, not files: from_tensor_slices has none
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    with strategy.scope():
+        model = tf.keras.Sequential(
+            [tf.keras.layers.Dense(1, kernel_initializer="zeros", input_shape=(x.shape[1],))]
+        )
+        model.compile(optimizer=tf.keras.optimizers.SGD(LEARNING_RATE), loss="mse")
+    model.fit(data.with_options(options), epochs=1, verbose=0)
+    kernel, bias = model.layers[0].get_weights()
+    return [float(v) for v in np.concatenate([kernel.ravel(), bias.ravel()])]
 
 
 def resolver(tf, how):
@@ -74,7 +99,8 @@ def main(how):
         index, workers = int(report.task.split(":")[1]), report.workers
     built = time.monotonic() - started
     result = {
-        "weights": train(tf, strategy, index, workers),
+        "weights": (fit if how == "fit" else train)(tf, strategy, index, workers),
+        "keras": tf.keras.layers.Dense.__module__.split(".")[0],
         "task": index,
         "startup": built,
         "strategy": type(strategy).__name__,

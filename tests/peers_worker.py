@@ -21,12 +21,11 @@ turns it on and the workers step until one of:
   other round (``benchmarks/peers_overhead.py``): prints ``ROUND <n> <on|off> <s>``,
   then ``PUBLISHED`` and how long each sample's publishing took (s).
 
-Prints ``READY <pid>`` once stepping. :func:`cluster` starts the workers (for the
-tests and ``benchmarks/peers_trials.py``).
+Prints ``READY <pid>`` once stepping. :func:`cluster` starts the workers over TF_CONFIG
+(for the tests and ``benchmarks/peers_trials.py``); under ``srun`` they take Slurm's step.
 """
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -77,9 +76,9 @@ def main(scenario, culprit):
     from safestrategy import _env
     from safestrategy.training import publish, watchdog
 
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     armed = {"on": False}
-    strategy = safestrategy.make_multiworker_strategy()
+    strategy = safestrategy.make_multiworker_strategy()  # TF_CONFIG, or Slurm's step
+    index = int(safestrategy.last_report().task.split(":")[1])
 
     def value(x):
         if armed["on"] and scenario in ("all", "stuck"):

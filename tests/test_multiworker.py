@@ -30,7 +30,7 @@ from safestrategy.multiworker.cluster import Address
 from safestrategy.multiworker.rendezvous import PROTOCOL, MissingWorkersError, Rendezvous
 from safestrategy.report import CandidateResult
 
-from .conftest import free_ports, run_python, tf_configs, workers_together
+from .conftest import ROOT, free_ports, run_python, tf_configs, workers_together
 
 HERE = Path(__file__).resolve().parent
 FAKE_MW = str(HERE / "fake_mw_worker.py")
@@ -608,6 +608,34 @@ def test_the_keras_warning_is_logged_once_per_process(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         multiworker.keras3_warning("2.21.0", {}, None)
     ]
+
+
+def test_the_two_ways_the_keras_warning_names_do_train_with_two_workers(tf2):
+    """What the Keras 3 WARNING points to, run: ``tf.keras``'s ``fit`` with
+    ``TF_USE_LEGACY_KERAS=1`` (tf_keras, installed ``--no-deps`` in the TF 2.16+ legs as the
+    WARNING says; on older TF, ``tf.keras`` is Keras 2 already), and a custom loop
+    (``strategy.run`` in a ``tf.function``) under plain Keras 3. Both train two workers
+    to one process's weights; the WARNING is said under Keras 3 alone."""
+    from .mw_worker import WAIT, train
+
+    keras3 = multiworker.keras3_warning(tf2.__version__, {}, None) is not None
+    if keras3:
+        pytest.importorskip("tf_keras", reason="the TF 2.16+ legs install tf_keras --no-deps")
+    expected = train(tf2)
+    worker = str(ROOT / "tests" / "cluster_worker.py")
+    for how, legacy in (("fit", "1"), ("tf_config", None)):
+        envs = [{"TF_CONFIG": config} for config in tf_configs(2)]
+        if legacy:
+            envs = [dict(env, TF_USE_LEGACY_KERAS=legacy) for env in envs]
+        ended = workers_together([[sys.executable, worker, how]] * 2, envs, WAIT)
+        for code, stdout, stderr in ended:
+            lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+            assert code == 0 and lines, stderr[-3000:]
+            result = json.loads(lines[0][len("RESULT ") :])
+            assert result["weights"] == pytest.approx(expected, abs=1e-5), how
+            assert (multiworker.KERAS3_ISSUE in stderr) == (keras3 and not legacy), how
+            if legacy:
+                assert not result["keras"].startswith("3."), result["keras"]
 
 
 # --- the real thing: TensorFlow -----------------------------------------------------------

@@ -169,3 +169,30 @@ def test_run_under_srun_relaunches_every_task_on_a_crash_in_the_all_reduce(slurm
     assert "launch 2 of 4: training crashed on nccl (killed by SIGABRT) (recorded)" in said
     peer = (tmp_path / "task-0.err").read_text()
     assert re.search(r"launch 2 of 4: a peer is gone \(.+\); nothing recorded", peer)
+
+
+def test_a_task_holding_the_others_back_is_named_under_srun(slurm, tf2, tmp_path):
+    """tests/peers_worker.py's ``sleep`` under ``srun -n3``, no TF_CONFIG, one cache for
+    the three tasks (one node's home): task 2 sleeps in its own Python between steps, and
+    tasks 0 and 1 end on the stall naming it, with nothing recorded."""
+    cache = tmp_path / "cache"
+    env = {"PEERS_STALL_TIMEOUT": "5", "SAFESTRATEGY_STALL_ACTION": "exit"}
+    env.update(SAFESTRATEGY_CACHE_DIR=str(cache))
+    files = ["-o", str(tmp_path / "task-%t.out"), "-e", str(tmp_path / "task-%t.err")]
+    worker = str(ROOT / "tests" / "peers_worker.py")
+    step = srun(slurm, 3, *files, sys.executable, worker, "sleep", "2", env=env)
+    try:
+        step.wait(timeout=300)  # task 0's exit 75 ends the step (--kill-on-bad-exit)
+    finally:
+        step.kill()
+    for task in (0, 1):
+        said = (tmp_path / f"task-{task}.err").read_text()
+        found = re.search(r"^(worker:\d .*)\.$", said, re.M)
+        assert found, said[-3000:]
+        assert found.group(1).startswith(
+            "worker:2 holds the others back: outside any TensorFlow call"
+        ), said[-3000:]
+        assert "peers_worker.py:" in found.group(1)
+    from safestrategy import records
+
+    assert records.every(str(cache)) == []
