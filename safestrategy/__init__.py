@@ -32,7 +32,7 @@ if sys.version_info >= (3, 7):  # noqa: UP036  (3.6 is supported: TF 1.12)
 else:  # pragma: no cover - Python 3.6 has no module __getattr__
     from .multiworker import make_multiworker_strategy
 
-__version__ = "0.5.2"
+__version__ = "0.6.0"
 
 __all__ = [
     "BACKEND_NAMES",
