@@ -151,6 +151,19 @@ def tf2(tf):
     return tf
 
 
+@pytest.fixture
+def seeing(tf2):
+    """TF 2.x whose workers can see each other (a bounded read of the coordination
+    service's store, asked as the factory asks); else the test is skipped, saying why."""
+    import inspect
+
+    from tensorflow.python.eager import context
+
+    if "timeout_in_ms" not in inspect.signature(context.context().get_config_key_value).parameters:
+        pytest.skip(f"TF {tf2.__version__}'s get_config_key_value has no timeout: said once")
+    return tf2
+
+
 @pytest.fixture(scope="session")
 def tf1(tf):
     """TensorFlow 1.x (graph mode); skips on TF2."""

@@ -469,19 +469,6 @@ def test_a_worker_late_to_a_checkpoint_holds_back_those_waiting_in_its_all_reduc
     assert records.every(str(tmp_path / "c0")) == []
 
 
-@pytest.fixture
-def seeing(tf2):
-    """TF 2.x whose workers can see each other (a bounded read of the coordination
-    service's store, asked as the factory asks); else the test is skipped, saying why."""
-    import inspect
-
-    from tensorflow.python.eager import context
-
-    if "timeout_in_ms" not in inspect.signature(context.context().get_config_key_value).parameters:
-        pytest.skip(f"TF {tf2.__version__}'s get_config_key_value has no timeout: said once")
-    return tf2
-
-
 def test_a_service_that_answered_then_stopped_is_its_leader_gone():
     store = Store()
     cluster = ["127.0.0.1:1", "127.0.0.1:2"]

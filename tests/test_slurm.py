@@ -171,7 +171,7 @@ def test_run_under_srun_relaunches_every_task_on_a_crash_in_the_all_reduce(slurm
     assert re.search(r"launch 2 of 4: a peer is gone \(.+\); nothing recorded", peer)
 
 
-def test_a_task_holding_the_others_back_is_named_under_srun(slurm, tf2, tmp_path):
+def test_a_task_holding_the_others_back_is_named_under_srun(slurm, seeing, tmp_path):
     """tests/peers_worker.py's ``sleep`` under ``srun -n3``, no TF_CONFIG, one cache for
     the three tasks (one node's home): task 2 sleeps in its own Python between steps, and
     tasks 0 and 1 end on the stall naming it, with nothing recorded."""
