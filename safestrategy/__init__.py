@@ -16,6 +16,7 @@ from typing import Any
 from .auto import auto_strategy
 from .backends import BACKEND_NAMES
 from .factory import make_mirrored_strategy, probe
+from .mirror import MirrorBrokenError
 from .report import CandidateResult, NoWorkingBackendError, Report, last_report
 
 if sys.version_info >= (3, 7):  # noqa: UP036  (3.6 is supported: TF 1.12)
@@ -37,6 +38,7 @@ __version__ = "0.6.0"
 __all__ = [
     "BACKEND_NAMES",
     "CandidateResult",
+    "MirrorBrokenError",
     "NoWorkingBackendError",
     "Report",
     "__version__",

@@ -21,6 +21,7 @@ ENV_COMMUNICATION = "SAFESTRATEGY_COMMUNICATION"
 ENV_STALL_TIMEOUT = "SAFESTRATEGY_STALL_TIMEOUT"
 ENV_STALL_ACTION = "SAFESTRATEGY_STALL_ACTION"
 ENV_PAYLOAD = "SAFESTRATEGY_PAYLOAD_MB"
+ENV_VERIFY_EVERY = "SAFESTRATEGY_VERIFY_EVERY"
 #: Set by ``python -m safestrategy run`` for its child (see :mod:`safestrategy._rundir`).
 ENV_RUN_DIR = "SAFESTRATEGY_RUN_DIR"
 ENV_RESTART = "SAFESTRATEGY_RESTART"
@@ -52,6 +53,12 @@ STALL_ACTIONS: Tuple[str, ...] = ("warn", "exit")
 #: The exit code of ``SAFESTRATEGY_STALL_ACTION=exit`` (``EX_TEMPFAIL``: a hung collective never
 #: returns, so a scheduler's restart is the way out); ``run`` relaunches on it.
 EXIT_STALL = 75
+#: How often the mirror is checked during training: every this many all-reduce batches (one
+#: per optimizer step). One check costs about what a quarter of an all-reduce does, so
+#: every 100 steps keeps it far under 1 % of a step (benchmarks/mirror_cost.py).
+DEFAULT_VERIFY_EVERY = 100
+#: The largest accepted (a typo guard: beyond it a check would barely ever run).
+MAX_VERIFY_EVERY = 1_000_000
 #: Variables safestrategy itself set in ``os.environ`` (NCCL remedies), with the value it set:
 #: the user's environment is ``os.environ`` without them (see :func:`user_environ`).
 _applied: Dict[str, str] = {}
@@ -277,6 +284,24 @@ def resolve_stall(environ: Optional[Mapping[str, str]] = None) -> StallSettings:
             f"is not valid; valid values are {', '.join(STALL_ACTIONS)}"
         )
     return StallSettings(timeout, action)
+
+
+def resolve_verify_every(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """``SAFESTRATEGY_VERIFY_EVERY``: check the mirror every this many all-reduce batches
+    (a whole number from 1, default :data:`DEFAULT_VERIFY_EVERY`), or ``off`` (None)."""
+    value = _from_env(os.environ if environ is None else environ, ENV_VERIFY_EVERY)
+    if value is None:
+        return DEFAULT_VERIFY_EVERY
+    text = value.strip().lower()
+    if text == "off":
+        return None
+    if not text.isdigit() or not 1 <= int(text) <= MAX_VERIFY_EVERY:
+        raise ValueError(
+            f"{value!r} from the environment variable {ENV_VERIFY_EVERY} is not valid; give a "
+            f"whole number of steps from 1 to {MAX_VERIFY_EVERY:,}, or off "
+            f"(default {DEFAULT_VERIFY_EVERY})"
+        )
+    return int(text)
 
 
 def run_grace(environ: Optional[Mapping[str, str]] = None) -> float:

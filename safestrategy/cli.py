@@ -29,6 +29,7 @@ from ._env import (
     DEFAULT_PAYLOAD_MB,
     DEFAULT_STALL_TIMEOUT,
     DEFAULT_TIMEOUT,
+    DEFAULT_VERIFY_EVERY,
     ENV_BACKEND,
     ENV_CACHE,
     ENV_CACHE_DIR,
@@ -40,6 +41,7 @@ from ._env import (
     ENV_STALL_TIMEOUT,
     ENV_TF_CONFIG,
     ENV_TIMEOUT,
+    ENV_VERIFY_EVERY,
     cache_dir,
     resolve_switch,
     resolve_timeout,
@@ -60,11 +62,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Find the cross-device all-reduce that works on this machine's devices: "
         "each candidate is run for real and its sums checked.",
         epilog=f"backends, in auto order:\n{backends}\n\n"
-        "subcommands:\n  records            list (--forget: forget) the stall and crash "
-        f"records in the cache directory ({ENV_CACHE_DIR}), one-machine and multi-worker "
-        "alike\n"
+        "subcommands:\n  records            list (--forget: forget) the stall, crash and "
+        f"wrong-numbers records in the cache directory ({ENV_CACHE_DIR}), one-machine and "
+        "multi-worker alike\n"
         "  run -- COMMAND     run a training, relaunching it on the next backend when an "
-        "all-reduce stalls or crashes it (POSIX)\n\n"
+        "all-reduce stalls, crashes or returns wrong numbers (POSIX)\n\n"
         "environment:\n"
         f"  {ENV_BACKEND:<28} same values as --backend\n"
         f"  {ENV_TIMEOUT:<28} seconds per smoke check (default {DEFAULT_TIMEOUT:g})\n"
@@ -75,7 +77,10 @@ def _parser() -> argparse.ArgumentParser:
         f"  {ENV_NCCL_REMEDIES:<28} on/off: NCCL's fixes tried when NCCL fails\n"
         f"  {ENV_STALL_TIMEOUT:<28} seconds one TensorFlow call may run in training "
         f"(default {DEFAULT_STALL_TIMEOUT:g}; off)\n"
-        f"  {ENV_STALL_ACTION:<28} warn (default) or exit (code 75) on a stall\n"
+        f"  {ENV_STALL_ACTION:<28} warn (default) or exit (code 75) on a stall or wrong "
+        "numbers\n"
+        f"  {ENV_VERIFY_EVERY:<28} check the all-reduce in training every N steps (default "
+        f"{DEFAULT_VERIFY_EVERY}; off)\n"
         f"  {ENV_COMMUNICATION:<28} multi-worker: auto, nccl, ring or a list\n"
         f"  {ENV_PORT_BASE:<28} Slurm: the first port of each host's tasks (default: from\n"
         f"  {'':<28} the job and step ids, see docs/multiworker.md)\n\n"

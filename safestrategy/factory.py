@@ -21,6 +21,7 @@ from .backends import build_cross_device_ops, build_strategy, check_kwargs
 from .checks import nccl, runner
 from .checks.allreduce import graph_api
 from .choose import Decision, failure_message, override_hint
+from .mirror import guard
 from .report import (
     FAILED,
     TIMEOUT,
@@ -255,6 +256,7 @@ def make_mirrored_strategy(
         raise ValueError("pass either backend= or your own cross_device_ops, not both")
     request = None if own_ops is not None else _request(devices, backend, None)
     stall_settings = resolve_stall()
+    every = _env.resolve_verify_every()
     tf = _tf.import_tf()
     era = _tf.era(tf.__version__)
     mirrored = tf.contrib.distribute if era == "contrib-tower" else tf.distribute
@@ -275,6 +277,7 @@ def make_mirrored_strategy(
         place = standing.place_for(report)
     set_last_report(report)
     watchdog.watch(stall_settings, report, strategy, place)
+    guard.guard(tf, strategy, report, place, stall_settings.action, every)
     _rundir.decision(records.decision_entry(report, place, stall_settings.timeout))
     return strategy
 

@@ -348,6 +348,11 @@ def _decision(tensors: Sequence[Any]) -> _Decision:
             decision = _decide(devices, setting, _smoke_check)
             _decisions[key] = decision
             _log(decision, key[0])
+            if len(_decisions) == 1:
+                logger.info(
+                    "nccl_ops: its all-reduces are not checked during training (the "
+                    "factories' strategies are)"
+                )
     return decision
 
 

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 from . import _cache, _env, _machine, _tf
 from ._env import untried, user_remedies
 from .backends import COLLECTIVE, NCCL, RING
-from .report import FAILED, OK, SKIPPED, CandidateResult, Report, Stall, refresh_command
+from .report import FAILED, NOT_TRIED, OK, SKIPPED, CandidateResult, Report, Stall, refresh_command
 
 logger = logging.getLogger("safestrategy")
 
@@ -126,6 +126,22 @@ def _retries(report: Report) -> Tuple[Dict[str, str], List[Dict[str, str]]]:
         report.backend == COLLECTIVE and chosen is not None and "(NCCL requested)" in chosen.reason
     )
     return remedy, _next_remedies(remedy) if on_nccl else []
+
+
+def remedy(report: Report) -> Dict[str, str]:
+    """The NCCL remedy ``report``'s strategy uses (``{}``: none)."""
+    return _retries(report)[0]
+
+
+def another(report: Report) -> bool:
+    """A next decision on these devices has something else to take after a record of
+    ``report``'s backend: an untried NCCL remedy, or a candidate without a record that
+    passed its check here or was not tried (a list stops at the first that passes).
+    False: it is the last resort."""
+    recorded = {stall.backend for stall in report.stalls} | {report.backend}
+    return bool(_retries(report)[1]) or any(
+        c.status in (OK, NOT_TRIED) and c.name not in recorded for c in report.candidates
+    )
 
 
 def after_record(report: Report, place: Optional[Place]) -> str:
@@ -238,7 +254,8 @@ def record(
     """Record that ``backend`` stalled for ``seconds`` at ``place`` (with its remedy), or
     (``kind`` "crash") that a launch on it died of ``cause`` after ``seconds``: the same
     entry, the latest record for a backend wins. ``where``: the cache directory (default:
-    this process's; ``run`` gives the training's); ``evidence``: what showed it ("canary")."""
+    this process's; ``run`` gives the training's); ``evidence``: what showed it ("canary";
+    a ``corrupt`` record: the check that caught it)."""
     where = where or directory()
     if where is not None:
         value = Stall(backend, round(seconds, 1), _now(), dict(remedy), kind, cause, evidence)

@@ -86,6 +86,10 @@ class CandidateResult(NamedTuple):
         return data
 
 
+#: The kind of record the mirror's check writes: training's all-reduce returned wrong numbers.
+CORRUPT = "corrupt"
+
+
 class Stall(NamedTuple):
     """Trouble recorded during an earlier training on these devices: a stall (the
     watchdog, or ``run`` killing a silent child) or a crash (``run``: an all-reduce death)."""
@@ -97,18 +101,21 @@ class Stall(NamedTuple):
     when: str  #: ISO 8601 local time it was recorded
     #: The NCCL remedy in use then (``{}``: none), so the next one is tried next.
     remedy: Mapping[str, str] = {}
-    kind: str = "stall"  #: "stall" or "crash"
+    kind: str = "stall"  #: "stall", "crash" or "corrupt" (:data:`CORRUPT`)
     #: a crash: what ended it (a signal, the error's first line); a multi-worker stall: the
     #: verdict every worker drew ("every worker is inside the same step: ...")
     cause: str = ""
     #: what showed the all-reduce stuck: "canary" (0.5.2: a known-sum all-reduce run during
-    #: the stall hung, failed or summed wrong); "" for records of 0.3-0.5.1 and of ``run``
+    #: the stall hung, failed or summed wrong); "" for records of 0.3-0.5.1 and of ``run``;
+    #: a corrupt record: the check that caught it
     evidence: str = ""
 
     def happened(self) -> str:
         """What happened, as reasons say it (without the date's time of day: ``when[:10]``)."""
         if self.kind == "crash":
             return f"crashed during training on {self.when[:10]} ({self.cause})"
+        if self.kind == CORRUPT:
+            return f"returned wrong numbers during training on {self.when[:10]} ({self.cause})"
         because = f" ({self.cause})" if self.cause else ""
         return f"stalled during training on {self.when[:10]} after {self.seconds:g} s{because}"
 
@@ -117,6 +124,9 @@ class Stall(NamedTuple):
         remedy = "".join(f", with {name}={value}" for name, value in self.remedy.items())
         if self.kind == "crash":
             what = f"crashed during training on {self.when} ({self.cause})"
+        elif self.kind == CORRUPT:
+            what = f"returned wrong numbers during training on {self.when} ({self.cause}; "
+            what += f"check: {self.evidence})"
         else:
             what = f"stalled during training on {self.when} after {self.seconds:g} s"
             what += f" ({self.cause})" if self.cause else ""

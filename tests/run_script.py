@@ -20,6 +20,8 @@ injected on the first launch only (``SAFESTRATEGY_RESTART`` is 0), in epoch 2:
 - ``teardown``: training ends, then the process aborts;
 - ``checkpoint``: ``stall``, resumed the way keras-io's multi-GPU guide does it: a
   ``ModelCheckpoint`` each epoch, the latest loaded at start, ``fit(initial_epoch=)``;
+- ``corrupt``: the all-reduce's result on replica 1 goes wrong from the 6th all-reduce
+  (epoch 2) on (tests/mirror_faults.py), checked every 2 steps;
 - ``manager``: a custom training loop (its step all-reduces the model's output) whose
   all-reduce stalls at its 5th step on the first launch,
   saving a ``tf.train.CheckpointManager`` checkpoint every step and restoring the
@@ -103,6 +105,11 @@ class Arm(tf.keras.callbacks.Callback):
             trouble["armed"] = True
 
 
+if SCENARIO == "corrupt" and FIRST:
+    from tests import mirror_faults
+
+    mirror_faults.inject("corrupt", replica=1, start=6)
+    os.environ["SAFESTRATEGY_VERIFY_EVERY"] = "2"
 if SCENARIO == "user":
     raise ValueError("the learning rate must be positive (the script's own error)")
 os.environ["SAFESTRATEGY_STALL_TIMEOUT"] = "off"  # compile first, unwatched

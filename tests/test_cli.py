@@ -197,7 +197,7 @@ def test_help_lists_every_variable_a_user_sets_with_its_default(run_cli):
         for name, value in vars(_env).items()
         if name.startswith("ENV_") and value.startswith("SAFESTRATEGY_")
     }
-    assert len(names - set_by_run) == 10
+    assert len(names - set_by_run) == 11
     assert [name for name in sorted(names - set_by_run) if name not in helped] == []
     assert f"seconds per smoke check (default {_env.DEFAULT_TIMEOUT:g}" in helped
     assert f"(default {_env.DEFAULT_STALL_TIMEOUT:g}; off)" in helped

@@ -290,3 +290,41 @@ def test_a_stall_whose_allreduce_answered_is_not_relaunched_and_run_says_so():
         judge.Ended(75, 700.0), launch([decided()], stalled=[convicted]), a_record
     )
     assert verdict.relaunch and "(recorded)" in verdict.why
+
+
+def a_corrupt_record(place, backend, cache):
+    return Stall(backend, 90.0, "2026-12-07T10:00:00+00:00", {}, "corrupt", "replica 2", "x")
+
+
+def test_a_broken_mirror_is_relaunched_on_the_next_backend_unless_it_is_the_last():
+    """The check's run-directory entry decides, whether the training ended by exit 75
+    (SAFESTRATEGY_STALL_ACTION=exit) or by the uncaught MirrorBrokenError (exit 1)."""
+    where = "replica 2 (/device:GPU:2) at step 18,400"
+    broke = {"kind": "corrupt", "where": where, "recorded": True, "last_resort": None}
+    entry = decided(backend="hierarchical_copy")
+    for code in (75, 1):
+        verdict = judge.judge(
+            judge.Ended(code, 90.0), launch([entry], stalled=[broke]), a_corrupt_record
+        )
+        assert (verdict.relaunch, verdict.code, verdict.record) == (True, code, None)
+        assert verdict.why == (
+            f"training's all-reduce returned wrong numbers on {where} (recorded); the next "
+            "decision avoids hierarchical_copy while another backend passes without a record"
+        )
+    last = {**broke, "last_resort": "take /device:GPU:2 out: CUDA_VISIBLE_DEVICES=0,1,3"}
+    verdict = judge.judge(judge.Ended(75, 90.0), launch([entry], stalled=[last]), a_corrupt_record)
+    assert not verdict.relaunch and verdict.code == 75
+    assert verdict.why.endswith(
+        "no other backend passes on these devices: take /device:GPU:2 out: "
+        "CUDA_VISIBLE_DEVICES=0,1,3"
+    )
+    forced = decided(
+        read=False, place=None, unread="a forced backend is used whatever its records say"
+    )
+    verdict = judge.judge(judge.Ended(1, 90.0), launch([forced], stalled=[broke]), a_corrupt_record)
+    assert not verdict.relaunch and verdict.why.endswith(
+        "(a forced backend is used whatever its records say)"
+    )
+    # a stall record of the backend is not the check's: no relaunch claims it
+    verdict = judge.judge(judge.Ended(1, 90.0), launch([entry], stalled=[broke]), a_record)
+    assert not verdict.relaunch

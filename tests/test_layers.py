@@ -45,6 +45,10 @@ LAYERS = {
         "safestrategy.training.sampler",
         "safestrategy.training.watchdog",
         "safestrategy.training.words",
+        "safestrategy.mirror",
+        "safestrategy.mirror.guard",
+        "safestrategy.mirror.instep",
+        "safestrategy.mirror.verdict",
     },
     "wings": {
         "safestrategy.choose",

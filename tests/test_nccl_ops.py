@@ -497,8 +497,12 @@ def test_cpu_devices_fall_back_quietly_without_probing(tf, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="safestrategy")
     with tf.Graph().as_default():
         nccl_ops.all_sum(placed(tf, inputs(2)))
-    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO]
     assert "not using NCCL" in caplog.records[0].getMessage()
+    assert "not checked during training" in caplog.records[1].getMessage()  # said once
+    with tf.Graph().as_default():
+        nccl_ops.all_sum(placed(tf, inputs(3)))
+    assert len([r for r in caplog.records if "not checked" in r.getMessage()]) == 1
 
 
 def test_real_smoke_check_fails_where_there_is_no_nccl(tf):

@@ -255,3 +255,37 @@ def test_a_record_no_decision_here_reads_says_why():
     worker = {"cluster": ["a:1", "b:1"], "task": "worker:0", "tf": "2.21.0"}
     assert records.unread_here(worker, {}, "2.21.0") == ""  # multi-worker: no machine key
     assert records.unread_here(worker, {}, None) == "written on TF 2.21.0, this is no TensorFlow"
+
+
+def test_wrong_numbers_are_a_record_that_fails_its_backend_and_a_last_resort_is_known():
+    """A ``corrupt`` record (the mirror's check) reads as a failure like any record; a next
+    decision has another backend while one without a record passed or was not tried."""
+    wrong = Stall(
+        "hierarchical_copy",
+        90.0,
+        "2026-12-07T10:00:00+00:00",
+        {},
+        "corrupt",
+        "replica 1 (/device:CPU:1) at step 6",
+        "copies agree",
+    )
+    demotion = records.Standing((wrong,), PLACE).demotion("hierarchical_copy", False, True)
+    assert demotion.failed.reason.startswith(
+        "returned wrong numbers during training on 2026-12-07 (replica 1 (/device:CPU:1) at step 6)"
+    )
+    assert wrong.line().strip() == (
+        "hierarchical_copy  returned wrong numbers during training on "
+        "2026-12-07T10:00:00+00:00 (replica 1 (/device:CPU:1) at step 6; check: copies agree)"
+    )
+    chosen = report(
+        backend="hierarchical_copy",
+        candidates=(result("hierarchical_copy", OK), result("reduce_to_cpu", OK)),
+    )
+    assert records.another(chosen)
+    assert not records.another(chosen._replace(stalls=(stall("reduce_to_cpu"),)))
+    untried = chosen._replace(
+        candidates=(chosen.candidates[0], result("reduce_to_cpu", "not_tried"))
+    )
+    assert records.another(untried)
+    failed = chosen._replace(candidates=(chosen.candidates[0], result("reduce_to_cpu", FAILED)))
+    assert not records.another(failed)

@@ -102,10 +102,10 @@ def backends(done):
     return re.findall(r"^BACKEND (\S+)$", done.stdout, re.MULTILINE)
 
 
-def relaunched_once(scenario, tmp_path, wrapper=()):
+def relaunched_once(scenario, tmp_path, wrapper=(), env=None):
     """``scenario`` under ``run``: trouble on the first launch, a clean second on the next
     backend of the list; the finished run."""
-    done = supervised(scenario, tmp_path, wrapper=wrapper)
+    done = supervised(scenario, tmp_path, wrapper=wrapper, **(env or {}))
     assert done.returncode == 0, done.stderr[-3000:]
     assert backends(done) == ["hierarchical_copy", "reduce_to_cpu"]
     return done
@@ -141,6 +141,26 @@ def test_an_nccl_error_is_a_crash_record_and_the_relaunch_takes_another_backend(
         "-m", "safestrategy", "records", env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache")}
     )
     assert "hierarchical_copy" in listing.stdout and "crashed during training" in listing.stdout
+
+
+@needs_tf
+def test_a_broken_mirror_ends_the_launch_is_recorded_and_resumes_on_the_next_backend(tf2, tmp_path):
+    done = relaunched_once("corrupt", tmp_path, env={"SAFESTRATEGY_STALL_ACTION": "exit"})
+    assert (
+        "safestrategy run: launch 2 of 4: training's all-reduce returned wrong numbers on "
+        "replicas 0 and 1 (/device:CPU:0, /device:CPU:1) at step 6 (recorded); the next "
+        "decision avoids "
+        "hierarchical_copy while another backend passes without a record"
+    ) in done.stderr
+    assert (
+        "training's all-reduce returned wrong numbers at step 6 on backend hierarchical_copy"
+        in (done.stderr)
+    )
+    assert re.findall(r"^EPOCHS (\d+)$", done.stdout, re.MULTILINE) == ["2"]  # resumed
+    listing = run_python(
+        "-m", "safestrategy", "records", env={"SAFESTRATEGY_CACHE_DIR": str(tmp_path / "cache")}
+    )
+    assert "returned wrong numbers during training on" in listing.stdout
 
 
 @needs_tf

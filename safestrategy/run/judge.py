@@ -14,7 +14,7 @@ from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 from .. import _rundir, records
 from .._env import EXIT_STALL
 from ..records import Place
-from ..report import Stall
+from ..report import CORRUPT, Stall
 from ..training.peers import A_WORKERS_DOING, HELD, PEER_GONE, STOPPED
 from ..training.sampler import in_tf_call
 
@@ -137,6 +137,10 @@ def judge(
     readable = place is not None and place.read
     then = records.next_step(place, backend, remedy, entry.get("next_remedies"))
     beat = launch.beat(entry.get("pid")) or ""
+    broken = next((s for s in launch.stalls if s.get("kind") == CORRUPT), None)
+    if broken is not None:
+        stall = recorded(place, backend, cache) if readable else None  # type: ignore[arg-type]
+        return _mirror_broke(broken, code, backend, then, stall, _unreadable(entry))
     if ended.starved:
         if not _rundir.in_collectives(beat):
             why = f"training went silent on {backend} {OWN_WORK}: nothing recorded, and "
@@ -209,6 +213,28 @@ def judge(
     record = Record(place, backend, ended.seconds, remedy, "crash", cause, cache)  # type: ignore[arg-type]
     why = f"training crashed on {backend} ({cause}) (recorded); {then}"
     return Verdict(True, code, f"crashed on {backend}", why, record)
+
+
+def _mirror_broke(
+    said: Mapping[str, object],
+    code: int,
+    backend: str,
+    then: str,
+    stall: Optional[Stall],
+    unreadable: str,
+) -> Verdict:
+    """A launch whose check of the mirror caught wrong numbers (its run-directory entry
+    ``said``): relaunched on the next backend when its ``corrupt`` record (``stall``) is
+    there for the next decision, and a next backend there is."""
+    line = f"training's all-reduce returned wrong numbers on {said.get('where')}"
+    ended = f"wrong numbers on {backend}"
+    if said.get("last_resort"):
+        why = f"{line}, and no other backend passes on these devices: {said['last_resort']}"
+        return Verdict(False, code, ended, why)
+    if stall is None or stall.kind != CORRUPT:
+        why = f"{line}, and no record the next decision reads was written ({unreadable})"
+        return Verdict(False, code, ended, why)
+    return Verdict(True, code, ended, f"{line} (recorded); {then}")
 
 
 #: What the canary showed of a stall it did not convict (the watchdog's ``canary``), and

@@ -332,7 +332,7 @@ def _handle(
         _written[event.thread] = culprit
     tell_run(event.watched.kind, outside, recorded, drawn[0] if drawn is not None else None, answer)
     if settings.action == "exit":
-        _exit()
+        end_process()
 
 
 def _round(
@@ -442,8 +442,9 @@ def flush_logs() -> None:
             stream.flush()
 
 
-def _exit() -> None:
-    """End the process now: the stuck thread never returns, so no normal exit can."""
+def end_process() -> None:
+    """End the process now with :data:`~safestrategy._env.EXIT_STALL`: a stuck thread never
+    returns, so no normal exit can (a stall); a broken mirror must not train on (a check)."""
     flush_logs()
     probe.close_all()
     os._exit(_env.EXIT_STALL)
