@@ -60,8 +60,12 @@ class Watch:
         self.every = every
         self.on_finding = on_finding
         self.passed: Optional[Tuple[int, float]] = None  #: the last check that passed
+        from tensorflow.python.ops import resource_variable_ops
+
+        # the class itself, not tf.Variable: no strategy's scope (the caller's own, when the
+        # factory is called inside one) may turn it into a distributed variable
         with tf.init_scope(), tf.device("/cpu:0"):
-            self.count = tf.Variable(
+            self.count = resource_variable_ops.ResourceVariable(
                 0, dtype=tf.int64, trainable=False, name="safestrategy_mirror_batches"
             )
 
