@@ -14,7 +14,8 @@ without the variable:
   and whether some thread is inside a TensorFlow call, and whether that call runs the
   strategy's collectives; ``finished`` at a normal exit;
 - ``stall-<pid>.json``: a stall the watchdog reported (where it was, whether it
-  was recorded against a backend);
+  was recorded against a backend), or wrong numbers the mirror's check caught
+  (``kind`` "corrupt": where, whether recorded, the last resort's device to take out);
 - ``error-<pid>``: the last lines of an uncaught exception (its type and message, as
   Python prints them last);
 - ``fault-<pid>``: ``faulthandler``'s dump of every thread on a fatal signal.

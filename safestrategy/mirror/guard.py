@@ -44,16 +44,15 @@ def not_checked(why: str) -> None:
     logger.info("the mirror is not checked during training: %s", why)
 
 
-def _why_not(tf: Any, report: Report, every: Optional[int]) -> Optional[str]:
+def _why_not(tf: Any, every: Optional[int]) -> Optional[str]:
+    """Why strategies are not checked here (said once), or None: they are."""
     if every is None:
         return f"{_env.ENV_VERIFY_EVERY}=off"
     if _tf.release(tf.__version__) < FIRST_VERSION:
         return f"TF {tf.__version__} is older than {FIRST_VERSION} (checked from TF 2.4 on)"
     if not tf.executing_eagerly():
         return "TF1-style graph mode (the check needs TF2's eager functions)"
-    if len(report.devices) < 2:
-        return None  # one replica: nothing is all-reduced, nothing to say
-    return ""
+    return None
 
 
 def guard(
@@ -67,10 +66,10 @@ def guard(
     """Check ``strategy``'s all-reduce every ``every`` batches while it trains (``every``:
     :func:`~safestrategy._env.resolve_verify_every`); ``report``: its decision, ``place``:
     where a record of it goes (None: none is written), ``action``: the stall action."""
-    why = _why_not(tf, report, every)
-    if why:
+    why = _why_not(tf, every)
+    if why is not None:
         not_checked(why)
-    if why != "":
+    if why is not None or len(report.devices) < 2:  # one replica: nothing is all-reduced
         return None
     started = time.monotonic()
 
